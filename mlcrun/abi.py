@@ -1,0 +1,29 @@
+"""The one place that names the functions a compiled library exports (its ABI).
+
+Both the compiler (export) and the runtime (look-up) use these names. Bump ABI_VERSION on any
+change of a name, signature or calling convention; the runtime refuses other versions.
+"""
+
+ABI_VERSION = 1
+
+EMBED = "embed"  # (input_ids[n] int32, params) -> [n, hidden]
+BATCH_PREFILL = "batch_prefill"  # ([1, n, hidden], logit_pos[b] int32, kv, params) -> [1, b, vocab]
+BATCH_DECODE = "batch_decode"  # ([b, 1, hidden], kv, params) -> [b, 1, vocab]
+BATCH_VERIFY = "batch_verify"  # ([1, n, hidden], kv, params) -> [1, n, vocab]
+CREATE_KV_CACHE = "create_paged_kv_cache"  # (max_batch, max_total_len, chunk, page, sliding)
+METADATA = "_metadata"  # () -> JSON string describing the library
+
+MODEL_FUNCTIONS = (EMBED, BATCH_PREFILL, BATCH_DECODE, BATCH_VERIFY, CREATE_KV_CACHE, METADATA)
+
+# TVM runtime builtins that operate on the KV cache object.
+KV_ADD_SEQUENCE = "vm.builtin.kv_state_add_sequence"
+KV_REMOVE_SEQUENCE = "vm.builtin.kv_state_remove_sequence"
+KV_FORK_SEQUENCE = "vm.builtin.kv_state_fork_sequence"
+KV_POPN = "vm.builtin.kv_state_popn"
+KV_BEGIN_FORWARD = "vm.builtin.kv_state_begin_forward"
+KV_END_FORWARD = "vm.builtin.kv_state_end_forward"
+KV_CLEAR = "vm.builtin.kv_state_clear"
+KV_COMMIT_TREE = "vm.builtin.attention_kv_cache_commit_accepted_token_tree_nodes"
+KV_AVAILABLE_PAGES = "vm.builtin.attention_kv_cache_get_num_available_pages"
+KV_TOTAL_LENGTH = "vm.builtin.attention_kv_cache_get_total_sequence_length"
+KV_ENABLE_SLIDING_WINDOW = "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq"

@@ -1,0 +1,1 @@
+"""The `mlcrun` command line (typer); one module per subcommand."""

@@ -1,0 +1,42 @@
+"""`mlcrun compile MODEL -o OUT`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .common import RichProgress, err_console, handle_errors, setup_logging
+
+
+@handle_errors
+def compile_command(
+    model: str = typer.Argument(..., help="HF checkpoint folder, or a hub id in the local HF cache."),
+    output: Path = typer.Option(..., "--output", "-o", help="Artifact folder to write."),
+    quantization: str = typer.Option("q0f32", "--quantization", "-q", help="Weight format."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    context_window: int = typer.Option(
+        None, "--context-window", help="Max tokens per sequence (default: the model's, at most 8192)."
+    ),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Max tokens per prefill call."),
+    max_batch: int = typer.Option(16, "--max-batch", help="Max sequences decoded together."),
+    page_size: int = typer.Option(16, "--page-size", help="Tokens per KV-cache page."),
+    force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT if it exists."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log each phase."),
+) -> None:
+    """Compile a checkpoint into an artifact folder: params, tokenizer and a TVM library."""
+    setup_logging(verbose)
+    from ..compiler.build import compile_model
+    from ..compiler.options import CompileOptions
+
+    options = CompileOptions(
+        quantization=quantization,
+        device=device,
+        context_window=context_window,
+        prefill_chunk=prefill_chunk,
+        max_batch=max_batch,
+        page_size=page_size,
+    )
+    with RichProgress() as progress:
+        out = compile_model(model, output, options, force=force, progress=progress)
+    err_console.print(f"[green]compiled[/] {model} -> {out}", highlight=False)

@@ -1,0 +1,1 @@
+"""Checkpoint -> TVM library. Import the submodules you need; this package imports nothing."""

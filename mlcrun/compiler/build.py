@@ -1,0 +1,220 @@
+"""`mlcrun compile`: checkpoint folder -> artifact folder, written atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import tvm
+from safetensors.numpy import save_file
+
+from .. import abi, artifact, __version__
+from ..errors import MlcrunError
+from ..models import registry
+from ..models.config import ModelConfig
+from ..weights.mapping import WeightMap
+from ..weights.resolve import resolve_checkpoint
+from ..weights.safetensors_source import SafetensorsSource
+from .export import attach_metadata, export_model
+from .options import DEFAULT_CONTEXT_CAP, CompileOptions
+from .progress import NullProgress, Progress
+from .target import resolve_target
+
+log = logging.getLogger(__name__)
+
+SHARD_BYTES = 1 << 30
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
+
+
+def compile_model(
+    model: str,
+    out: Path,
+    options: CompileOptions = CompileOptions(),
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Path:
+    """Compile `model` (a folder or cached hub id) into the artifact folder `out`."""
+    progress = progress or NullProgress()
+    out = Path(out)
+    folder = resolve_checkpoint(model)
+    hf_config = _read_json(folder / "config.json")
+    cfg = registry.model_config(hf_config)
+    wmap = registry.lookup(hf_config).weight_map(cfg)
+    fingerprint = _fingerprint(folder, options)
+    if out.exists():
+        if _up_to_date(out, fingerprint) and not force:
+            log.info("%s is up to date", out)
+            return out
+        if not force:
+            raise MlcrunError(f"{out} already exists; pass --force to overwrite it")
+    context_window = _context_window(cfg, options)
+    target = resolve_target(options.device)
+    source = SafetensorsSource(folder)
+    progress.phase("Exporting model")
+    mod, params = export_model(cfg, target)
+    wmap.check(source, [name for name, _, _ in params])
+    progress.done()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        files = _write_params(tmp, source, wmap, params, progress)
+        art = artifact.Artifact(
+            model=cfg.to_dict(),
+            quantization=options.quantization,
+            device=options.device,
+            target=str(target.kind.name),
+            library=f"{artifact.LIB_DIR}/{options.device}.so",
+            context_window=context_window,
+            prefill_chunk=min(options.prefill_chunk, context_window),
+            max_batch=options.max_batch,
+            page_size=options.page_size,
+            param_files=tuple(f.name for f in files),
+            params=tuple(artifact.TensorInfo(n, s, d) for n, s, d in params),
+            params_sha256=artifact.hash_files(files),
+            abi_version=abi.ABI_VERSION,
+            mlcrun_version=__version__,
+            source_fingerprint=fingerprint,
+            tokenizer_files=_copy_tokenizer(folder, tmp),
+            chat_template=_chat_template(folder),
+            generation=_generation_defaults(folder),
+        )
+        progress.phase(f"Compiling for {options.device} ({target.kind.name})")
+        mod = attach_metadata(mod, art.library_metadata())
+        _build_library(mod, target, tmp / art.library)
+        progress.done()
+        (tmp / artifact.CONFIG_FILE).write_text(art.to_json())
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path) -> None:
+    from .pipeline import get_pipeline
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with target:
+        executable = tvm.compile(mod, target=target, relax_pipeline=get_pipeline(target))
+    executable.export_library(str(path))
+
+
+def _write_params(tmp: Path, source: SafetensorsSource, wmap: WeightMap, params, progress):
+    expected = {name: (shape, dtype) for name, shape, dtype in params}
+    params_dir = tmp / artifact.PARAMS_DIR
+    params_dir.mkdir()
+    progress.phase("Converting weights", total=len(params))
+    files, shard, shard_bytes = [], {}, 0
+
+    def flush():
+        nonlocal shard, shard_bytes
+        path = params_dir / f"params-{len(files):05d}.safetensors"
+        save_file(shard, str(path))
+        files.append(path)
+        shard, shard_bytes = {}, 0
+
+    for name, array in wmap.convert(source):
+        shape, dtype = expected[name]
+        if tuple(array.shape) != shape:
+            raise MlcrunError(f"param {name!r}: converted shape {list(array.shape)} != {list(shape)}")
+        shard[name] = np.ascontiguousarray(array.astype(dtype, copy=False))
+        shard_bytes += shard[name].nbytes
+        progress.advance()
+        if shard_bytes >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    progress.done()
+    return files
+
+
+def _context_window(cfg: ModelConfig, options: CompileOptions) -> int:
+    if options.context_window is None:
+        return min(cfg.max_position_embeddings, DEFAULT_CONTEXT_CAP)
+    if options.context_window > cfg.max_position_embeddings:
+        raise MlcrunError(
+            f"--context-window {options.context_window} exceeds the model's "
+            f"max_position_embeddings ({cfg.max_position_embeddings})"
+        )
+    return options.context_window
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        raise MlcrunError(f"{path.parent}: missing config.json")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise MlcrunError(f"{path}: not valid JSON ({err})") from None
+
+
+def _fingerprint(folder: Path, options: CompileOptions) -> str:
+    digest = hashlib.sha256(f"{__version__}|{options}".encode())
+    for file in sorted(folder.iterdir()):
+        if file.is_file():
+            stat = file.stat()
+            digest.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def _up_to_date(out: Path, fingerprint: str) -> bool:
+    try:
+        return artifact.read(out).source_fingerprint == fingerprint
+    except MlcrunError:
+        return False
+
+
+def _copy_tokenizer(folder: Path, tmp: Path) -> tuple[str, ...]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (folder / name).exists():
+            shutil.copy2(folder / name, tmp / name)
+            copied.append(name)
+    return tuple(copied)
+
+
+def _chat_template(folder: Path) -> str | None:
+    if (folder / "chat_template.jinja").exists():
+        return (folder / "chat_template.jinja").read_text()
+    config = folder / "tokenizer_config.json"
+    if config.exists():
+        template = json.loads(config.read_text()).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return None
+
+
+def _generation_defaults(folder: Path) -> dict:
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    return {k: data[k] for k in _GENERATION_KEYS if k in data}
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Swap the finished folder in; the old one (with --force) is removed only afterwards."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)

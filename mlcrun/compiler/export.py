@@ -1,0 +1,35 @@
+"""ModelConfig -> relax IRModule exporting the ABI functions, with embedded metadata."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import tvm
+from tvm import relax
+
+from .. import abi
+from ..models.common import DecoderLM
+from ..models.config import ModelConfig
+from .workarounds import fix_tree_attn_order
+
+
+def export_model(
+    cfg: ModelConfig, target: tvm.target.Target
+) -> tuple[tvm.IRModule, list[tuple[str, tuple[int, ...], str]]]:
+    """The IRModule and its params as (name, shape, dtype), in the order functions take them."""
+    with target:
+        model = DecoderLM(cfg)
+        mod, params = model.export_tvm(spec=model.get_default_spec())
+    mod = fix_tree_attn_order(mod)
+    infos = [(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in params]
+    return mod, infos
+
+
+def attach_metadata(mod: tvm.IRModule, metadata: dict[str, Any]) -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    with bb.function(abi.METADATA, params=[]):
+        bb.emit_func_output(tvm.ir.StringImm(json.dumps(metadata, sort_keys=True)))
+    mod = mod.clone() if hasattr(mod, "clone") else mod
+    mod[abi.METADATA] = bb.finalize()[abi.METADATA]
+    return mod

@@ -1,0 +1,39 @@
+"""What a compile is asked to produce."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import MlcrunError
+
+QUANTIZATIONS = ("q0f32",)
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    quantization: str = "q0f32"
+    device: str = "cpu"
+    context_window: int | None = None  # None: the model's max_position_embeddings, capped
+    prefill_chunk: int = 512
+    max_batch: int = 16
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise MlcrunError(
+                f"--quantization {self.quantization!r} is not available; "
+                f"choose from: {', '.join(QUANTIZATIONS)}"
+            )
+        if self.device not in DEVICES:
+            raise MlcrunError(f"--device {self.device!r} is not supported; choose cpu or cuda")
+        for name in ("prefill_chunk", "max_batch", "page_size"):
+            if getattr(self, name) <= 0:
+                raise MlcrunError(f"--{name.replace('_', '-')} must be positive")
+        if self.context_window is not None and self.context_window <= 0:
+            raise MlcrunError("--context-window must be positive")
+        if self.page_size not in (8, 16, 32, 64):
+            raise MlcrunError("--page-size must be one of 8, 16, 32, 64")
+
+
+DEFAULT_CONTEXT_CAP = 8192

@@ -1,0 +1,1 @@
+"""Scheduling, sampling and generation over a ModelRunner. Never imports TVM."""

@@ -1,0 +1,1 @@
+"""Architecture families: config parsing, the relax module, and the weight map."""

@@ -1,0 +1,189 @@
+"""The decoder-only transformer shared by the Llama-like families, over the paged KV cache.
+
+Attention runs through TVM's `TIRPagedKVCache`: q/k/v are produced by one fused projection,
+RoPE is applied inside the cache (RopeMode.NORMAL, HF's rotate-half layout), and the cache owns
+paging, forking and tree attention. Everything a family does differently is a flag on
+`ModelConfig` (qkv bias, q/k norm, head_dim, sliding window, RoPE scaling).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm import relax as rx
+
+from .config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.num_q = cfg.num_attention_heads
+        self.num_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        qkv_rows = (self.num_q + 2 * self.num_kv) * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_q * self.head_dim, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(cfg.head_dim, -1, cfg.rms_norm_eps, bias=False)
+            self.k_norm = nn.RMSNorm(cfg.head_dim, -1, cfg.rms_norm_eps, bias=False)
+
+    def forward(self, x: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
+        b, s, _ = x.shape
+        # [b, s, num_q + 2 * num_kv, head_dim]
+        qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q + 2 * self.num_kv, self.head_dim))
+        if self.qk_norm:
+            q, k, v = op.split(qkv, [self.num_q, self.num_q + self.num_kv], axis=2)
+            qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+        out = kv.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.head_dim**-0.5)
+        return self.o_proj(op.reshape(out, (b, s, self.num_q * self.head_dim)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv, layer_id)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+
+    def forward(self, x: Tensor, kv: PagedKVCache) -> Tensor:
+        for layer_id, layer in enumerate(self.layers):
+            x = layer(x, kv, layer_id)
+        return self.norm(x)
+
+
+class DecoderLM(nn.Module):
+    """The exported model: its methods are the library's ABI (see compiler/abi.py)."""
+
+    def __init__(self, cfg: ModelConfig, target_kind: str = "llvm"):
+        self.cfg = cfg
+        self.target_kind = target_kind
+        self.model = DecoderModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        if self.cfg.tie_word_embeddings:
+            logits = op.matmul(hidden, op.permute_dims(self.model.embed_tokens.weight))
+        else:
+            logits = self.lm_head(hidden)
+        return logits.astype("float32") if logits.dtype != "float32" else logits
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        # [num_tokens] -> [num_tokens, hidden]
+        return self.model.embed_tokens(input_ids)
+
+    def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, kv: PagedKVCache):
+        # input_embeds [1, total_tokens, hidden]; logit_positions [batch]: one row per sequence
+        hidden = self.model(input_embeds, kv)
+        hidden = op.take(hidden, logit_positions, axis=1)  # [1, batch, hidden]
+        return self._logits(hidden), kv
+
+    def batch_decode(self, input_embeds: Tensor, kv: PagedKVCache):
+        # input_embeds [batch, 1, hidden] -> logits [batch, 1, vocab]
+        return self._logits(self.model(input_embeds, kv)), kv
+
+    def batch_verify(self, input_embeds: Tensor, kv: PagedKVCache):
+        # input_embeds [1, total_tokens, hidden] -> logits for every token [1, total_tokens, vocab]
+        return self._logits(self.model(input_embeds, kv)), kv
+
+    def create_paged_kv_cache(
+        self,
+        max_batch_size: tirx.Var,
+        max_total_seq_len: tirx.Var,
+        prefill_chunk_size: tirx.Var,
+        page_size: tirx.Var,
+        support_sliding_window: tirx.Var,
+    ) -> PagedKVCache:
+        cfg = self.cfg
+        return TIRPagedKVCache(
+            # A sliding window is switched on per sequence at run time
+            # (enable_sliding_window_for_seq); see runtime/model.py for its exact semantics.
+            attn_kind="mha",
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding_window,
+            layer_partition=rx.ShapeExpr([0, cfg.num_hidden_layers]),
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            qk_head_dim=cfg.head_dim,
+            v_head_dim=cfg.head_dim,
+            mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NORMAL,
+            rope_scale=1,
+            rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling or {},
+            rope_ext_factors=rx.prim_value(0),
+            rotary_dim=cfg.head_dim,
+            enable_disaggregation=False,
+            dtype=self.kv_dtype,
+            target=tvm_target(),
+        )
+
+    kv_dtype = "float32"
+
+    def get_default_spec(self) -> nn.spec.ModuleSpec:
+        hidden, dtype = self.cfg.hidden_size, self.kv_dtype
+        packed = {"param_mode": "packed", "effect_mode": "none"}
+        kv = nn.spec.Object(object_type=PagedKVCache)
+        spec = {
+            "embed": {"input_ids": nn.spec.Tensor(["num_tokens"], "int32"), "$": packed},
+            "batch_prefill": {
+                "input_embeds": nn.spec.Tensor([1, "num_tokens", hidden], dtype),
+                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                "kv": kv,
+                "$": packed,
+            },
+            "batch_decode": {
+                "input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], dtype),
+                "kv": kv,
+                "$": packed,
+            },
+            "batch_verify": {
+                "input_embeds": nn.spec.Tensor([1, "num_tokens", hidden], dtype),
+                "kv": kv,
+                "$": packed,
+            },
+            "create_paged_kv_cache": {
+                "max_batch_size": int,
+                "max_total_seq_len": int,
+                "prefill_chunk_size": int,
+                "page_size": int,
+                "support_sliding_window": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+        }
+        return nn.spec.ModuleSpec.from_raw(spec, self)
+
+
+def tvm_target():
+    import tvm
+
+    return tvm.target.Target.current()

@@ -1,0 +1,286 @@
+"""`Model`: the Python counterpart of MLC-LLM's serve/model.h over a compiled artifact.
+
+Embeddings in, logits out, over a paged KV cache that holds every sequence's history.
+Sequences are identified by integer ids chosen by the caller (the engine).
+
+Sliding-window models (Mistral): TVM's cache keeps the last `window - 1` keys of a sequence and
+every new token also sees itself, which equals Hugging Face's window of `window` keys. Inside a
+multi-token chunk, the ragged attention is not windowed, so once a sequence reaches the window
+`batch_prefill` feeds the rest of its tokens one at a time (exact, slower on long prompts).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm.runtime import ShapeTuple
+
+from .. import abi, artifact
+from ..errors import MlcrunError
+from ..models.config import ModelConfig
+from .library import device_for, load_params, load_vm, set_num_threads
+
+log = logging.getLogger(__name__)
+
+
+class Model:
+    def __init__(self, folder: str | Path, *, num_threads: int | None = None, verify: bool = True):
+        self.folder = Path(folder)
+        self.artifact = artifact.read(self.folder)
+        if self.artifact.abi_version != abi.ABI_VERSION:
+            raise MlcrunError(
+                f"{folder}: library ABI {self.artifact.abi_version} != {abi.ABI_VERSION}; "
+                "recompile the model"
+            )
+        if verify:
+            artifact.verify_params(self.folder, self.artifact)
+        self.config = ModelConfig.from_dict(self.artifact.model)
+        self.device = device_for(self.artifact)
+        self.num_threads = set_num_threads(num_threads) if self.artifact.device == "cpu" else 0
+        self._vm = load_vm(self.folder, self.artifact, self.device)
+        self._params = load_params(self.folder, self.artifact, self.device)
+        self._f = {name: self._vm[name] for name in abi.MODEL_FUNCTIONS}
+        self._kv = None
+        self._lengths: dict[int, int] = {}
+        self._kv_settings: dict[str, int] = {}
+        self._trees: dict[int, list[int]] = {}  # last verified tree (parent pointers) per seq
+
+    # ---------------------------------------------------------------- info
+    @property
+    def metadata(self) -> dict[str, Any]:
+        a = self.artifact
+        return {
+            "model": a.model,
+            "quantization": a.quantization,
+            "device": a.device,
+            "context_window": a.context_window,
+            "prefill_chunk": a.prefill_chunk,
+            "max_batch": a.max_batch,
+            "page_size": a.page_size,
+            "sliding_window": self.config.sliding_window,
+            "num_threads": self.num_threads,
+        }
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    # ---------------------------------------------------------------- kv cache
+    def create_kv_cache(
+        self,
+        page_size: int | None = None,
+        max_num_sequence: int | None = None,
+        max_total_sequence_length: int | None = None,
+        prefill_chunk_size: int | None = None,
+    ) -> None:
+        a = self.artifact
+        s = dict(
+            page_size=page_size or a.page_size,
+            max_num_sequence=max_num_sequence or a.max_batch,
+            max_total_sequence_length=max_total_sequence_length or a.context_window,
+            prefill_chunk_size=prefill_chunk_size or a.prefill_chunk,
+        )
+        self._kv = self._f[abi.CREATE_KV_CACHE](
+            ShapeTuple([s["max_num_sequence"]]),
+            ShapeTuple([s["max_total_sequence_length"]]),
+            ShapeTuple([s["prefill_chunk_size"]]),
+            ShapeTuple([s["page_size"]]),
+            ShapeTuple([1 if self.config.sliding_window else 0]),
+        )
+        self._kv_settings = s
+        self._lengths = {}
+
+    @property
+    def kv(self):
+        if self._kv is None:
+            self.create_kv_cache()
+        return self._kv
+
+    def add_new_sequence(self, seq_id: int) -> None:
+        if seq_id in self._lengths:
+            raise MlcrunError(f"sequence {seq_id} already exists in the KV cache")
+        _call(abi.KV_ADD_SEQUENCE, self.kv, seq_id)
+        self._lengths[seq_id] = 0
+        if self.config.sliding_window:
+            self.enable_sliding_window_for_seq(seq_id)
+
+    def fork_sequence(self, parent_seq_id: int, child_seq_id: int, fork_pos: int = -1) -> None:
+        self._check(parent_seq_id)
+        _call(abi.KV_FORK_SEQUENCE, self.kv, parent_seq_id, child_seq_id, fork_pos)
+        parent_len = self._lengths[parent_seq_id]
+        self._lengths[child_seq_id] = parent_len if fork_pos < 0 else fork_pos
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self._check(seq_id)
+        _call(abi.KV_REMOVE_SEQUENCE, self.kv, seq_id)
+        del self._lengths[seq_id]
+
+    def popn(self, seq_id: int, num_tokens: int) -> None:
+        self._check(seq_id)
+        if not 0 <= num_tokens <= self._lengths[seq_id]:
+            raise MlcrunError(f"cannot pop {num_tokens} tokens from sequence {seq_id}")
+        if num_tokens:
+            _call(abi.KV_POPN, self.kv, seq_id, num_tokens)
+            self._lengths[seq_id] -= num_tokens
+
+    def commit_accepted_token_tree_nodes(
+        self, seq_ids: Sequence[int], accepted_leaf_indices: Sequence[int]
+    ) -> None:
+        """Keep the path root -> accepted leaf of each sequence's last verified tree."""
+        _call(abi.KV_COMMIT_TREE, self.kv, ShapeTuple(list(seq_ids)),
+              ShapeTuple(list(accepted_leaf_indices)))
+        for seq_id, leaf in zip(seq_ids, accepted_leaf_indices, strict=True):
+            tree = self._trees.pop(seq_id)
+            depth = 0
+            while leaf >= 0:
+                depth, leaf = depth + 1, tree[leaf]
+            self._lengths[seq_id] += depth
+
+    def enable_sliding_window_for_seq(self, seq_id: int) -> None:
+        """No-op for models without a sliding window."""
+        if self.config.sliding_window:
+            _call(abi.KV_ENABLE_SLIDING_WINDOW, self.kv, seq_id, self.config.sliding_window - 1, 0)
+
+    def get_num_available_pages(self) -> int:
+        return int(_call(abi.KV_AVAILABLE_PAGES, self.kv))
+
+    def get_current_total_sequence_length(self) -> int:
+        return int(_call(abi.KV_TOTAL_LENGTH, self.kv))
+
+    def sequence_length(self, seq_id: int) -> int:
+        self._check(seq_id)
+        return self._lengths[seq_id]
+
+    def reset(self) -> None:
+        """Drop every sequence (the cache's memory stays allocated)."""
+        if self._kv is not None:
+            _call(abi.KV_CLEAR, self._kv)
+        self._lengths = {}
+        self._trees = {}
+
+    # ---------------------------------------------------------------- compute
+    def token_embed(self, token_ids: Sequence[int]) -> tvm.runtime.Tensor:
+        """[n] token ids -> [n, hidden] embeddings (a device tensor)."""
+        ids = np.asarray(token_ids, dtype=np.int32)
+        if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size)):
+            raise MlcrunError(f"token ids must be in [0, {self.vocab_size})")
+        return self._f[abi.EMBED](tvm.runtime.tensor(ids, self.device), self._params)
+
+    def batch_prefill(
+        self, embeddings: tvm.runtime.Tensor, seq_ids: Sequence[int], lengths: Sequence[int]
+    ) -> np.ndarray:
+        """Append ragged chunks (concatenated in `embeddings` [sum(lengths), hidden]) to their
+        sequences; returns the logits after each sequence's last token [len(seq_ids), vocab]."""
+        self._check_batch(seq_ids, lengths, embeddings)
+        window = self.config.sliding_window
+        if window and any(self._lengths[s] + n > window for s, n in zip(seq_ids, lengths)):
+            return self._prefill_windowed(embeddings, seq_ids, lengths, window)
+        return self._prefill(embeddings, seq_ids, lengths)
+
+    def _prefill(self, embeddings, seq_ids, lengths) -> np.ndarray:
+        hidden = self.config.hidden_size
+        positions = np.cumsum(lengths, dtype=np.int32) - 1
+        x = embeddings._create_view((1, int(sum(lengths)), hidden))
+        self._begin(seq_ids, lengths)
+        out = self._f[abi.BATCH_PREFILL](x, tvm.runtime.tensor(positions, self.device), self.kv,
+                                         self._params)
+        self._end(seq_ids, lengths)
+        return out[0].numpy()[0]
+
+    def _prefill_windowed(self, embeddings, seq_ids, lengths, window) -> np.ndarray:
+        """Whole chunks until a sequence reaches the window, then one token per step."""
+        emb = embeddings.numpy()
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        logits = np.zeros((len(seq_ids), self.vocab_size), np.float32)
+        todo = {i: (int(starts[i]), int(starts[i + 1])) for i in range(len(seq_ids))}
+        while todo:
+            batch, rows = [], []
+            for i, (begin, end) in todo.items():
+                room = max(window - self._lengths[seq_ids[i]], 1)
+                take = min(end - begin, room)
+                batch.append((i, take))
+                rows.append(emb[begin : begin + take])
+            out = self._prefill(
+                tvm.runtime.tensor(np.concatenate(rows), self.device),
+                [seq_ids[i] for i, _ in batch],
+                [n for _, n in batch],
+            )
+            for row, (i, take) in enumerate(batch):
+                begin, end = todo[i]
+                if begin + take == end:
+                    logits[i] = out[row]
+                    del todo[i]
+                else:
+                    todo[i] = (begin + take, end)
+        return logits
+
+    def batch_decode(self, embeddings: tvm.runtime.Tensor, seq_ids: Sequence[int]) -> np.ndarray:
+        """One new token per sequence ([len(seq_ids), hidden]) -> logits [len(seq_ids), vocab]."""
+        lengths = [1] * len(seq_ids)
+        self._check_batch(seq_ids, lengths, embeddings)
+        x = embeddings._create_view((len(seq_ids), 1, self.config.hidden_size))
+        self._begin(seq_ids, lengths)
+        out = self._f[abi.BATCH_DECODE](x, self.kv, self._params)
+        self._end(seq_ids, lengths)
+        return out[0].numpy()[:, 0]
+
+    def batch_verify(
+        self,
+        embeddings: tvm.runtime.Tensor,
+        seq_ids: Sequence[int],
+        lengths: Sequence[int],
+        token_tree_parent_ptr: Sequence[int],
+    ) -> np.ndarray:
+        """Score a token tree per sequence in one pass. `token_tree_parent_ptr` holds, for every
+        node, its parent's index within its own sequence's tree (-1 for a root). Returns logits
+        for every node [sum(lengths), vocab]. Call commit_accepted_token_tree_nodes afterwards."""
+        self._check_batch(seq_ids, lengths, embeddings)
+        parents = list(token_tree_parent_ptr)
+        if len(parents) != sum(lengths):
+            raise MlcrunError("token_tree_parent_ptr must have one entry per tree node")
+        x = embeddings._create_view((1, int(sum(lengths)), self.config.hidden_size))
+        _call(abi.KV_BEGIN_FORWARD, self.kv, ShapeTuple(list(seq_ids)), ShapeTuple(list(lengths)),
+              ShapeTuple(parents))
+        out = self._f[abi.BATCH_VERIFY](x, self.kv, self._params)
+        _call(abi.KV_END_FORWARD, self.kv)
+        offset = 0
+        for seq_id, n in zip(seq_ids, lengths):
+            self._trees[seq_id] = parents[offset : offset + n]
+            offset += n
+        return out[0].numpy()[0]
+
+    # ---------------------------------------------------------------- helpers
+    def _begin(self, seq_ids, lengths) -> None:
+        _call(abi.KV_BEGIN_FORWARD, self.kv, ShapeTuple(list(seq_ids)), ShapeTuple(list(lengths)))
+
+    def _end(self, seq_ids, lengths) -> None:
+        _call(abi.KV_END_FORWARD, self.kv)
+        for seq_id, n in zip(seq_ids, lengths):
+            self._lengths[seq_id] += n
+
+    def _check(self, seq_id: int) -> None:
+        if seq_id not in self._lengths:
+            raise MlcrunError(f"sequence {seq_id} is not in the KV cache")
+
+    def _check_batch(self, seq_ids, lengths, embeddings) -> None:
+        if len(seq_ids) != len(lengths) or len(set(seq_ids)) != len(seq_ids):
+            raise MlcrunError("seq_ids must be distinct and match lengths")
+        if int(embeddings.shape[0]) != sum(lengths):
+            raise MlcrunError(f"{embeddings.shape[0]} embeddings for {sum(lengths)} tokens")
+        limit = self._kv_settings.get("max_total_sequence_length", self.artifact.context_window)
+        for seq_id, n in zip(seq_ids, lengths):
+            self._check(seq_id)
+            if self._lengths[seq_id] + n > limit:
+                raise MlcrunError(
+                    f"sequence {seq_id} would reach {self._lengths[seq_id] + n} tokens, "
+                    f"over the context window of {limit}"
+                )
+
+
+def _call(name: str, *args):
+    return tvm.get_global_func(name)(*args)

@@ -1,0 +1,40 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """name -> folder of a tiny random-init HF checkpoint (built once per session)."""
+    from checkpoints import build_checkpoint
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = build_checkpoint(name, root / name)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory, checkpoints):
+    """name -> compiled q0f32 llvm artifact of that checkpoint (compiled once per session)."""
+    from mlcrun.compiler.build import compile_model
+    from mlcrun.compiler.options import CompileOptions
+
+    root = tmp_path_factory.mktemp("artifacts")
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            options = CompileOptions(prefill_chunk=64, max_batch=8)
+            cache[name] = compile_model(str(checkpoints(name)), root / name, options)
+        return cache[name]
+
+    return get
