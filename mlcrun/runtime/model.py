@@ -48,7 +48,7 @@ class Model:
         self._kv = None
         self._lengths: dict[int, int] = {}
         self._kv_settings: dict[str, int] = {}
-        self._trees: dict[int, list[int]] = {}  # last verified tree (parent pointers) per seq
+        self._trees: dict[int, tuple[list[int], np.ndarray]] = {}  # last verified trees
 
     # ---------------------------------------------------------------- info
     @property
@@ -131,15 +131,45 @@ class Model:
     def commit_accepted_token_tree_nodes(
         self, seq_ids: Sequence[int], accepted_leaf_indices: Sequence[int]
     ) -> None:
-        """Keep the path root -> accepted leaf of each sequence's last verified tree."""
-        _call(abi.KV_COMMIT_TREE, self.kv, ShapeTuple(list(seq_ids)),
-              ShapeTuple(list(accepted_leaf_indices)))
+        """Keep the path root -> accepted leaf of each sequence's last verified tree. Must name
+        the same sequences, in the same order, as the last batch_verify."""
+        paths = {}
         for seq_id, leaf in zip(seq_ids, accepted_leaf_indices, strict=True):
-            tree = self._trees.pop(seq_id)
-            depth = 0
+            parents, _ = self._trees[seq_id]
+            if not 0 <= leaf < len(parents):
+                raise MlcrunError(f"accepted leaf {leaf} is not a node of sequence {seq_id}'s tree")
+            path = []
             while leaf >= 0:
-                depth, leaf = depth + 1, tree[leaf]
-            self._lengths[seq_id] += depth
+                path.append(leaf)
+                leaf = parents[leaf]
+            paths[seq_id] = path[::-1]
+        needs_copy = any(path != list(range(len(path))) for path in paths.values())
+        if len(seq_ids) > 1 and needs_copy:
+            self._commit_by_recompute(list(seq_ids), paths)
+        else:
+            _call(abi.KV_COMMIT_TREE, self.kv, ShapeTuple(list(seq_ids)),
+                  ShapeTuple(list(accepted_leaf_indices)))
+            for seq_id, path in paths.items():
+                self._lengths[seq_id] += len(path)
+        self._trees = {}
+
+    def _commit_by_recompute(self, seq_ids: list[int], paths: dict[int, list[int]]) -> None:
+        """TVM-0.27-TREE-COMMIT: with several sequences in one commit, apache-tvm 0.27's CPU
+        KV cache sometimes moves accepted nodes to the wrong slots (a sequence whose path is
+        not already contiguous gets corrupted K/V). Instead, keep only each tree's root, then
+        prefill the rest of each accepted path again: the same K/V, one extra small forward.
+        tests/compiled/test_kv.py::test_upstream_multi_sequence_commit_bug fails once fixed."""
+        _call(abi.KV_COMMIT_TREE, self.kv, ShapeTuple(seq_ids), ShapeTuple([0] * len(seq_ids)))
+        rows, redo, lengths = [], [], []
+        for seq_id in seq_ids:
+            self._lengths[seq_id] += 1
+            path = paths[seq_id]
+            if len(path) > 1:
+                rows.append(self._trees[seq_id][1][path[1:]])
+                redo.append(seq_id)
+                lengths.append(len(path) - 1)
+        if redo:
+            self._prefill(tvm.runtime.tensor(np.concatenate(rows), self.device), redo, lengths)
 
     def enable_sliding_window_for_seq(self, seq_id: int) -> None:
         """No-op for models without a sliding window."""
@@ -248,9 +278,11 @@ class Model:
               ShapeTuple(parents))
         out = self._f[abi.BATCH_VERIFY](x, self.kv, self._params)
         _call(abi.KV_END_FORWARD, self.kv)
+        rows = embeddings.numpy()
         offset = 0
         for seq_id, n in zip(seq_ids, lengths):
-            self._trees[seq_id] = parents[offset : offset + n]
+            # Kept for commit: parent pointers, and embeddings for TVM-0.27-TREE-COMMIT.
+            self._trees[seq_id] = (parents[offset : offset + n], rows[offset : offset + n])
             offset += n
         return out[0].numpy()[0]
 
