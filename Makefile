@@ -1,0 +1,47 @@
+# Developer and CI entry points. `make test` builds the virtualenv it needs (see `install`).
+SHELL := /bin/bash
+
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+RUFF := $(VENV)/bin/ruff
+STAMP := $(VENV)/.installed
+LINT_PATHS := mlcrun tests benchmarks
+PYTEST_ARGS ?=
+
+.PHONY: install test lint format demo clean distclean
+
+install: $(STAMP)
+
+# Reinstalls only when pyproject.toml changes (or the venv is gone). The machine's pip config
+# finds torch==2.13.0 (CPU) on local disk; the pin in the `test` extra keeps pip from
+# pulling a CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -e '.[test]'
+	@touch $@
+
+# pytest exits 5 when it collected no tests: report that as its own failure.
+test: install
+	@set +e; $(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
+	exit $$rc
+
+lint: install
+	$(RUFF) check $(LINT_PATHS)
+	$(RUFF) format --check $(LINT_PATHS)
+
+format: install
+	$(RUFF) check --fix $(LINT_PATHS)
+	$(RUFF) format $(LINT_PATHS)
+
+demo: install
+	$(VENV)/bin/mlcrun chat --prompt "Write a haiku about compilers."
+
+# Build outputs and caches; the venv stays (see distclean).
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .mypy_cache
+	find $(LINT_PATHS) -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)
