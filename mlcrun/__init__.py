@@ -1,8 +1,8 @@
 """mlcrun: compile Hugging Face LLM checkpoints into TVM libraries and run them fast.
 
-    from mlcrun import LLM, SamplingParams
-    llm = LLM("artifact-folder")
-    llm.generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0))
+from mlcrun import LLM, SamplingParams
+llm = LLM("artifact-folder")
+llm.generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0))
 """
 
 from __future__ import annotations

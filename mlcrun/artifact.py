@@ -1,9 +1,9 @@
 """The compiled-model folder: schema, version, read/write and validation.
 
-    DIR/mlcrun-config.json   everything the runtime needs to know (this module's Artifact)
-    DIR/params/*.safetensors converted weights, named by our param names
-    DIR/lib/<target>.so      the TVM library (it carries its own metadata, see abi.METADATA)
-    DIR/tokenizer files
+DIR/mlcrun-config.json   everything the runtime needs to know (this module's Artifact)
+DIR/params/*.safetensors converted weights, named by our param names
+DIR/lib/<target>.so      the TVM library (it carries its own metadata, see abi.METADATA)
+DIR/tokenizer files
 """
 
 from __future__ import annotations

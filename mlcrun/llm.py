@@ -19,7 +19,9 @@ class LLM:
         self.model = Model(model, num_threads=num_threads)
         art = self.model.artifact
         self.tokenizer = (
-            Tokenizer.from_dir(self.model.folder) if "tokenizer.json" in art.tokenizer_files else None
+            Tokenizer.from_dir(self.model.folder)
+            if "tokenizer.json" in art.tokenizer_files
+            else None
         )
         eos = set(self.model.config.eos_token_ids)
         if self.tokenizer is not None:
@@ -67,5 +69,7 @@ class LLM:
             raise MlcrunError("empty prompt")
         window = self.model.artifact.context_window
         if len(ids) >= window:
-            raise MlcrunError(f"prompt of {len(ids)} tokens does not fit the context window ({window})")
+            raise MlcrunError(
+                f"prompt of {len(ids)} tokens does not fit the context window ({window})"
+            )
         return ids

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 COMMON = dict(
     vocab_size=320,
@@ -30,8 +30,13 @@ ARCHS = {
         "LlamaForCausalLM",
         dict(
             tie_word_embeddings=True,
-            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                              high_freq_factor=4.0, original_max_position_embeddings=32),
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
             rope_theta=500000.0,
         ),
     ),
@@ -63,19 +68,28 @@ def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
 
 def write_tokenizer(folder: Path) -> None:
     """A byte-level BPE over a tiny vocab, enough for text prompts to round-trip."""
-    tok = Tokenizer(models.BPE(vocab={**{f"<{s}>": i for i, s in enumerate(["unk", "s", "/s"])},
-                                      **_byte_vocab(3)}, merges=[], unk_token="<unk>"))
+    tok = Tokenizer(
+        models.BPE(
+            vocab={**{f"<{s}>": i for i, s in enumerate(["unk", "s", "/s"])}, **_byte_vocab(3)},
+            merges=[],
+            unk_token="<unk>",
+        )
+    )
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", 1)]
-    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-         "tokenizer_class": "PreTrainedTokenizerFast"}
-    ))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
 
 
 def _byte_vocab(offset: int) -> dict[str, int]:

@@ -11,12 +11,16 @@ from .common import RichProgress, err_console, handle_errors, setup_logging
 
 @handle_errors
 def compile_command(
-    model: str = typer.Argument(..., help="HF checkpoint folder, or a hub id in the local HF cache."),
+    model: str = typer.Argument(
+        ..., help="HF checkpoint folder, or a hub id in the local HF cache."
+    ),
     output: Path = typer.Option(..., "--output", "-o", help="Artifact folder to write."),
     quantization: str = typer.Option("q0f32", "--quantization", "-q", help="Weight format."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     context_window: int = typer.Option(
-        None, "--context-window", help="Max tokens per sequence (default: the model's, at most 8192)."
+        None,
+        "--context-window",
+        help="Max tokens per sequence (default: the model's, at most 8192).",
     ),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Max tokens per prefill call."),
     max_batch: int = typer.Option(16, "--max-batch", help="Max sequences decoded together."),

@@ -13,7 +13,7 @@ import numpy as np
 import tvm
 from safetensors.numpy import save_file
 
-from .. import abi, artifact, __version__
+from .. import __version__, abi, artifact
 from ..errors import MlcrunError
 from ..models import registry
 from ..models.config import ModelConfig
@@ -132,7 +132,9 @@ def _write_params(tmp: Path, source: SafetensorsSource, wmap: WeightMap, params,
     for name, array in wmap.convert(source):
         shape, dtype = expected[name]
         if tuple(array.shape) != shape:
-            raise MlcrunError(f"param {name!r}: converted shape {list(array.shape)} != {list(shape)}")
+            raise MlcrunError(
+                f"param {name!r}: converted shape {list(array.shape)} != {list(shape)}"
+            )
         shard[name] = np.ascontiguousarray(array.astype(dtype, copy=False))
         shard_bytes += shard[name].nbytes
         progress.advance()

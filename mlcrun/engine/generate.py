@@ -25,8 +25,15 @@ def generate(
     outputs = [RequestOutput(prompt_token_ids=list(p)) for p in prompts]
     for start in range(0, len(prompts), max_batch):
         group = range(start, min(start + max_batch, len(prompts)))
-        _run_group(model, [prompts[i] for i in group], [params[i] for i in group],
-                   [outputs[i] for i in group], eos_token_ids, prefill_chunk, context_window)
+        _run_group(
+            model,
+            [prompts[i] for i in group],
+            [params[i] for i in group],
+            [outputs[i] for i in group],
+            eos_token_ids,
+            prefill_chunk,
+            context_window,
+        )
     return outputs
 
 

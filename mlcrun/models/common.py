@@ -8,11 +8,11 @@ paging, forking and tree attention. Everything a family does differently is a fl
 
 from __future__ import annotations
 
+from tvm import relax as rx
 from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
-from tvm import relax as rx
 
 from .config import ModelConfig
 
@@ -55,7 +55,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+        self.post_attention_layernorm = nn.RMSNorm(
+            cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False
+        )
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:

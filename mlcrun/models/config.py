@@ -66,7 +66,9 @@ class ModelConfig:
                     f"(supported: {', '.join(_ROPE_KINDS)})"
                 )
         if self.sliding_window is not None and self.sliding_window <= 0:
-            raise MlcrunError(f"config.json: sliding_window must be positive, got {self.sliding_window}")
+            raise MlcrunError(
+                f"config.json: sliding_window must be positive, got {self.sliding_window}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -9,5 +9,6 @@ from .config import ModelConfig, base_kwargs
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-    return ModelConfig(**base_kwargs(hf), attention_bias=True,
-                       sliding_window=int(window) if window else None)
+    return ModelConfig(
+        **base_kwargs(hf), attention_bias=True, sliding_window=int(window) if window else None
+    )

@@ -9,8 +9,11 @@ from .config import ModelConfig
 def decoder_weight_map(cfg: ModelConfig) -> WeightMap:
     h, hd = cfg.hidden_size, cfg.head_dim
     q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    rules = [ParamRule("model.embed_tokens.weight", ("model.embed_tokens.weight",),
-                       ((cfg.vocab_size, h),))]
+    rules = [
+        ParamRule(
+            "model.embed_tokens.weight", ("model.embed_tokens.weight",), ((cfg.vocab_size, h),)
+        )
+    ]
     for i in range(cfg.num_hidden_layers):
         hf, ours = f"model.layers.{i}.", f"model.layers.{i}."
         attn = hf + "self_attn."
@@ -23,24 +26,32 @@ def decoder_weight_map(cfg: ModelConfig) -> WeightMap:
                 concat_rows,
             ),
             ParamRule(ours + "self_attn.o_proj.weight", (attn + "o_proj.weight",), ((h, q_rows),)),
-            ParamRule(ours + "post_attention_layernorm.weight",
-                      (hf + "post_attention_layernorm.weight",), ((h,),)),
+            ParamRule(
+                ours + "post_attention_layernorm.weight",
+                (hf + "post_attention_layernorm.weight",),
+                ((h,),),
+            ),
             ParamRule(
                 ours + "mlp.gate_up_proj.weight",
                 (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
                 ((cfg.intermediate_size, h), (cfg.intermediate_size, h)),
                 concat_rows,
             ),
-            ParamRule(ours + "mlp.down_proj.weight", (hf + "mlp.down_proj.weight",),
-                      ((h, cfg.intermediate_size),)),
+            ParamRule(
+                ours + "mlp.down_proj.weight",
+                (hf + "mlp.down_proj.weight",),
+                ((h, cfg.intermediate_size),),
+            ),
         ]
         if cfg.attention_bias:
-            rules.append(ParamRule(
-                ours + "self_attn.qkv_proj.bias",
-                (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
-                ((q_rows,), (kv_rows,), (kv_rows,)),
-                concat_rows,
-            ))
+            rules.append(
+                ParamRule(
+                    ours + "self_attn.qkv_proj.bias",
+                    (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                    ((q_rows,), (kv_rows,), (kv_rows,)),
+                    concat_rows,
+                )
+            )
         if cfg.qk_norm:
             rules += [
                 ParamRule(ours + "self_attn.q_norm.weight", (attn + "q_norm.weight",), ((hd,),)),

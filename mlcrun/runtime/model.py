@@ -147,8 +147,12 @@ class Model:
         if len(seq_ids) > 1 and needs_copy:
             self._commit_by_recompute(list(seq_ids), paths)
         else:
-            _call(abi.KV_COMMIT_TREE, self.kv, ShapeTuple(list(seq_ids)),
-                  ShapeTuple(list(accepted_leaf_indices)))
+            _call(
+                abi.KV_COMMIT_TREE,
+                self.kv,
+                ShapeTuple(list(seq_ids)),
+                ShapeTuple(list(accepted_leaf_indices)),
+            )
             for seq_id, path in paths.items():
                 self._lengths[seq_id] += len(path)
         self._trees = {}
@@ -217,8 +221,9 @@ class Model:
         positions = np.cumsum(lengths, dtype=np.int32) - 1
         x = embeddings._create_view((1, int(sum(lengths)), hidden))
         self._begin(seq_ids, lengths)
-        out = self._f[abi.BATCH_PREFILL](x, tvm.runtime.tensor(positions, self.device), self.kv,
-                                         self._params)
+        out = self._f[abi.BATCH_PREFILL](
+            x, tvm.runtime.tensor(positions, self.device), self.kv, self._params
+        )
         self._end(seq_ids, lengths)
         return out[0].numpy()[0]
 
@@ -274,8 +279,13 @@ class Model:
         if len(parents) != sum(lengths):
             raise MlcrunError("token_tree_parent_ptr must have one entry per tree node")
         x = embeddings._create_view((1, int(sum(lengths)), self.config.hidden_size))
-        _call(abi.KV_BEGIN_FORWARD, self.kv, ShapeTuple(list(seq_ids)), ShapeTuple(list(lengths)),
-              ShapeTuple(parents))
+        _call(
+            abi.KV_BEGIN_FORWARD,
+            self.kv,
+            ShapeTuple(list(seq_ids)),
+            ShapeTuple(list(lengths)),
+            ShapeTuple(parents),
+        )
         out = self._f[abi.BATCH_VERIFY](x, self.kv, self._params)
         _call(abi.KV_END_FORWARD, self.kv)
         rows = embeddings.numpy()

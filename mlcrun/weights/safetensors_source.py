@@ -70,8 +70,9 @@ class SafetensorsSource:
         file, info = self._index[name]
         begin, end = info["data_offsets"]
         dtype = _DTYPES[info["dtype"]]
-        data = np.memmap(file, dtype=np.uint8, mode="r", offset=info["_base"] + begin,
-                         shape=(end - begin,))
+        data = np.memmap(
+            file, dtype=np.uint8, mode="r", offset=info["_base"] + begin, shape=(end - begin,)
+        )
         array = np.frombuffer(data, dtype=dtype).reshape(info["shape"])
         if info["dtype"] == "BF16":
             return (array.astype(np.uint32) << 16).view(np.float32)
@@ -97,7 +98,9 @@ def _read_header(file: Path) -> dict[str, dict]:
         if info.get("dtype") not in _DTYPES:
             raise MlcrunError(f"{file}: tensor {name!r} has unsupported dtype {info.get('dtype')}")
         begin, end = info["data_offsets"]
-        expected = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_DTYPES[info["dtype"]]).itemsize
+        expected = (
+            int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_DTYPES[info["dtype"]]).itemsize
+        )
         if end - begin != expected:
             raise MlcrunError(f"{file}: tensor {name!r} size does not match its shape")
         if base + end > size:

@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from checkpoints import load_reference, reference_logits
+
 from mlcrun.errors import MlcrunError
 from mlcrun.runtime import Model
 
@@ -123,8 +123,9 @@ def _verify_two_trees(model):
     model.add_new_sequence(0)
     model.add_new_sequence(1)
     model.batch_prefill(model.token_embed(PROMPT + PROMPT[:7]), [0, 1], [len(PROMPT), 7])
-    model.batch_verify(model.token_embed([20, 21, 22, 23, 30, 31]), [0, 1], [4, 2],
-                       [-1, 0, 0, 1, -1, 0])
+    model.batch_verify(
+        model.token_embed([20, 21, 22, 23, 30, 31]), [0, 1], [4, 2], [-1, 0, 0, 1, -1, 0]
+    )
 
 
 def test_upstream_multi_sequence_commit_bug(setup):
@@ -158,10 +159,12 @@ def test_random_tree_batches_commit_exactly(setup, seed):
         tokens = [rng.integers(3, 320, size=s).tolist() for s in sizes]
         for i in range(n):
             model.add_new_sequence(i)
-        model.batch_prefill(model.token_embed(sum((PROMPT[:p] for p in plens), [])),
-                            list(range(n)), plens)
-        model.batch_verify(model.token_embed(sum(tokens, [])), list(range(n)), sizes,
-                           sum(parents, []))
+        model.batch_prefill(
+            model.token_embed(sum((PROMPT[:p] for p in plens), [])), list(range(n)), plens
+        )
+        model.batch_verify(
+            model.token_embed(sum(tokens, [])), list(range(n)), sizes, sum(parents, [])
+        )
         model.commit_accepted_token_tree_nodes(list(range(n)), leaves)
         out = decode(model, list(range(n)), [99] * n)
         for i in range(n):
@@ -170,5 +173,10 @@ def test_random_tree_batches_commit_exactly(setup, seed):
                 path.append(tokens[i][leaf])
                 leaf = parents[i][leaf]
             want = expect(ref, PROMPT[: plens[i]] + path[::-1] + [99])
-            np.testing.assert_allclose(out[i], want, atol=TOL, rtol=0,
-                                       err_msg=f"sizes={sizes} parents={parents} leaves={leaves}")
+            np.testing.assert_allclose(
+                out[i],
+                want,
+                atol=TOL,
+                rtol=0,
+                err_msg=f"sizes={sizes} parents={parents} leaves={leaves}",
+            )

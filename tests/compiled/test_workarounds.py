@@ -8,9 +8,18 @@ from mlcrun.models.common import DecoderLM
 from mlcrun.models.config import ModelConfig
 
 CFG = ModelConfig(
-    arch="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
-    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=True,
+    arch="LlamaForCausalLM",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
 )
 
 

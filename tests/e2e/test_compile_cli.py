@@ -1,0 +1,181 @@
+"""`mlcrun compile` as a real process: good input compiles, bad input is one clear line."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from mlcrun.errors import MlcrunError
+from mlcrun.runtime import Model
+
+
+def run_cli(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "mlcrun", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def ckpt(tmp_path, checkpoints):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    return folder
+
+
+def assert_clean_failure(result, out: Path, *needles: str):
+    assert result.returncode != 0
+    err = result.stderr.strip()
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    assert len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+    assert not out.exists()
+    leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}")]
+    assert not leftovers, leftovers
+
+
+def rewrite_weights(folder: Path, edit):
+    path = folder / "model.safetensors"
+    tensors = dict(load_file(path))
+    edit(tensors)
+    save_file(tensors, path)
+
+
+def test_compile_then_noop_then_force(ckpt, tmp_path):
+    out = tmp_path / "out"
+    first = run_cli("compile", ckpt, "-o", out)
+    assert first.returncode == 0, first.stderr
+    config = json.loads((out / "mlcrun-config.json").read_text())
+    assert config["model"]["arch"] == "LlamaForCausalLM"
+    assert (out / config["library"]).exists() and (out / "tokenizer.json").exists()
+    mtime = (out / config["library"]).stat().st_mtime_ns
+    again = run_cli("compile", ckpt, "-o", out)  # same inputs: nothing to do
+    assert again.returncode == 0, again.stderr
+    assert (out / config["library"]).stat().st_mtime_ns == mtime
+    forced = run_cli("compile", ckpt, "-o", out, "--force", "--context-window", "128")
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads((out / "mlcrun-config.json").read_text())["context_window"] == 128
+
+
+def test_missing_config(ckpt, tmp_path):
+    (ckpt / "config.json").unlink()
+    out = tmp_path / "out"
+    assert_clean_failure(run_cli("compile", ckpt, "-o", out), out, "config.json")
+
+
+def test_unsupported_architecture_lists_supported(ckpt, tmp_path):
+    config = json.loads((ckpt / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert_clean_failure(
+        run_cli("compile", ckpt, "-o", out),
+        out,
+        "GPT2LMHeadModel",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    )
+
+
+def test_missing_safetensors(ckpt, tmp_path):
+    (ckpt / "model.safetensors").unlink()
+    out = tmp_path / "out"
+    assert_clean_failure(run_cli("compile", ckpt, "-o", out), out, "safetensors")
+
+
+def test_truncated_safetensors(ckpt, tmp_path):
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    out = tmp_path / "out"
+    assert_clean_failure(run_cli("compile", ckpt, "-o", out), out, "truncated")
+
+
+def test_tensor_with_wrong_shape(ckpt, tmp_path):
+    name = "model.layers.1.mlp.down_proj.weight"
+    rewrite_weights(ckpt, lambda t: t.__setitem__(name, np.zeros((64, 95), np.float32)))
+    out = tmp_path / "out"
+    assert_clean_failure(run_cli("compile", ckpt, "-o", out), out, name, "shape")
+
+
+def test_weight_missing(ckpt, tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    rewrite_weights(ckpt, lambda t: t.pop(name))
+    out = tmp_path / "out"
+    assert_clean_failure(run_cli("compile", ckpt, "-o", out), out, name, "missing")
+
+
+def test_weight_left_unused(ckpt, tmp_path):
+    name = "model.layers.0.self_attn.extra.weight"
+    rewrite_weights(ckpt, lambda t: t.__setitem__(name, np.zeros((4,), np.float32)))
+    out = tmp_path / "out"
+    assert_clean_failure(run_cli("compile", ckpt, "-o", out), out, name, "not used")
+
+
+def test_existing_output_needs_force(ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    result = run_cli("compile", ckpt, "-o", out)
+    assert result.returncode != 0 and "--force" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_bad_option_values(ckpt, tmp_path):
+    out = tmp_path / "out"
+    assert_clean_failure(run_cli("compile", ckpt, "-o", out, "-q", "q9f99"), out, "q9f99")
+    assert_clean_failure(run_cli("compile", ckpt, "-o", out, "--device", "tpu"), out, "tpu")
+    assert_clean_failure(
+        run_cli("compile", ckpt, "-o", out, "--context-window", "100000"),
+        out,
+        "max_position_embeddings",
+    )
+
+
+def test_hub_id_not_cached(tmp_path):
+    out = tmp_path / "out"
+    result = run_cli(
+        "compile",
+        "acme/not-there",
+        "-o",
+        out,
+        env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"},
+    )
+    assert_clean_failure(result, out, "not in the local Hugging Face cache", "does not download")
+
+
+def test_hub_id_from_local_cache(checkpoints, tmp_path):
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(checkpoints("qwen2-tied"), snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    out = tmp_path / "out"
+    result = run_cli("compile", "acme/tiny", "-o", out, env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert result.returncode == 0, result.stderr
+    assert (
+        json.loads((out / "mlcrun-config.json").read_text())["model"]["arch"] == "Qwen2ForCausalLM"
+    )
+
+
+def test_altered_params_detected_at_load(artifacts, tmp_path):
+    folder = tmp_path / "art"
+    shutil.copytree(artifacts("llama"), folder)
+    params = next((folder / "params").glob("*.safetensors"))
+    data = bytearray(params.read_bytes())
+    data[-5] ^= 0xFF
+    params.write_bytes(bytes(data))
+    with pytest.raises(MlcrunError, match="modified after compile"):
+        Model(folder)
