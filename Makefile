@@ -35,8 +35,9 @@ format: install
 	$(RUFF) check --fix $(LINT_PATHS)
 	$(RUFF) format $(LINT_PATHS)
 
+# Compiles a SmolLM2-135M-shaped checkpoint (random weights) and measures it against transformers.
 demo: install
-	$(VENV)/bin/mlcrun chat --prompt "Write a haiku about compilers."
+	$(PY) benchmarks/decode_prefill.py --rounds 1
 
 # Build outputs and caches; the venv stays (see distclean).
 clean:

@@ -78,7 +78,7 @@ def compile_model(
             model=cfg.to_dict(),
             quantization=options.quantization,
             device=options.device,
-            target=str(target.kind.name),
+            target=str(target),
             library=f"{artifact.LIB_DIR}/{options.device}.so",
             context_window=context_window,
             prefill_chunk=min(options.prefill_chunk, context_window),

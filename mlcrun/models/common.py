@@ -96,12 +96,12 @@ class DecoderLM(nn.Module):
 
     def embed(self, input_ids: Tensor) -> Tensor:
         # [num_tokens] -> [num_tokens, hidden]
-        return self.model.embed_tokens(input_ids)
+        return take(self.model.embed_tokens.weight, input_ids, axis=0)
 
     def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, kv: PagedKVCache):
         # input_embeds [1, total_tokens, hidden]; logit_positions [batch]: one row per sequence
         hidden = self.model(input_embeds, kv)
-        hidden = op.take(hidden, logit_positions, axis=1)  # [1, batch, hidden]
+        hidden = take(hidden, logit_positions, axis=1)  # [1, batch, hidden]
         return self._logits(hidden), kv
 
     def batch_decode(self, input_embeds: Tensor, kv: PagedKVCache):
@@ -183,6 +183,12 @@ class DecoderLM(nn.Module):
             },
         }
         return nn.spec.ModuleSpec.from_raw(spec, self)
+
+
+def take(x: Tensor, indices: Tensor, axis: int) -> Tensor:
+    """Gather with clipped indices: the runtime validates ids, and TVM's default "fast" mode
+    prints a warning at every compile."""
+    return nn.wrap_nested(rx.op.take(x._expr, indices._expr, axis=axis, mode="clip"), name="take")
 
 
 def tvm_target():

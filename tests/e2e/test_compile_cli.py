@@ -179,3 +179,17 @@ def test_altered_params_detected_at_load(artifacts, tmp_path):
     params.write_bytes(bytes(data))
     with pytest.raises(MlcrunError, match="modified after compile"):
         Model(folder)
+
+
+def test_cuda_compiles_without_a_gpu(ckpt, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("compile", ckpt, "-o", out, "--device", "cuda")
+    assert result.returncode == 0, result.stderr
+    config = json.loads((out / "mlcrun-config.json").read_text())
+    assert config["device"] == "cuda" and json.loads(config["target"])["kind"] == "cuda"
+    assert (out / config["library"]).stat().st_size > 0
+    import tvm
+
+    if not tvm.cuda(0).exist:
+        with pytest.raises(MlcrunError, match="no CUDA GPU"):
+            Model(out)
