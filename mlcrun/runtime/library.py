@@ -24,9 +24,13 @@ def device_for(art: artifact.Artifact) -> tvm.runtime.Device:
 
 
 def set_num_threads(num_threads: int | None) -> int:
-    """Size TVM's CPU worker pool (it defaults to 1 thread on some machines)."""
-    n = num_threads or len(os.sched_getaffinity(0))
-    tvm.get_global_func("runtime.config_threadpool")(1, n)
+    """Size TVM's CPU worker pool, which otherwise defaults to 1 thread on some machines.
+
+    In apache-tvm 0.27 only TVM_NUM_THREADS works (runtime.config_threadpool is a no-op), and
+    it is read when the pool starts, at the first parallel kernel: the first Model loaded in
+    a process decides. An explicit TVM_NUM_THREADS in the environment wins over the default."""
+    n = num_threads or int(os.environ.get("TVM_NUM_THREADS", 0)) or len(os.sched_getaffinity(0))
+    os.environ["TVM_NUM_THREADS"] = str(n)
     return n
 
 

@@ -70,6 +70,11 @@ class Model:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4  # fp32 K and V
+
     # ---------------------------------------------------------------- kv cache
     def create_kv_cache(
         self,
@@ -314,7 +319,7 @@ class Model:
             raise MlcrunError("seq_ids must be distinct and match lengths")
         if int(embeddings.shape[0]) != sum(lengths):
             raise MlcrunError(f"{embeddings.shape[0]} embeddings for {sum(lengths)} tokens")
-        limit = self._kv_settings.get("max_total_sequence_length", self.artifact.context_window)
+        limit = self.artifact.context_window
         for seq_id, n in zip(seq_ids, lengths):
             self._check(seq_id)
             if self._lengths[seq_id] + n > limit:

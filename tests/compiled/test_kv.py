@@ -111,10 +111,10 @@ def test_pages_and_lengths_are_accounted(setup):
 
 def test_context_window_is_enforced(setup):
     model, _ = setup
-    model.create_kv_cache(max_total_sequence_length=32)
     model.add_new_sequence(0)
+    window = model.artifact.context_window
     with pytest.raises(MlcrunError, match="context window"):
-        prefill(model, 0, list(range(3, 40)))
+        prefill(model, 0, [5] * (window + 1))
 
 
 def _verify_two_trees(model):

@@ -1,0 +1,270 @@
+"""CPU schedule for NT matmuls `C[m, n] = sum_k A[m, k] * W[n, k]` plus fused epilogues.
+
+Every nn.Linear lands here after FuseTransposeMatmul: A is the activation (rows = seq_len or
+batch, symbolic), W the weight (static [N, K], K contiguous). Both operands are contiguous in
+K, so the micro-kernel is a dot product: an [MR, NR] tile of outputs keeps MR*NR vector
+accumulators of `lanes` floats (rfactor of K by the vector width), each k-step loads MR
+activation vectors and NR weight vectors and issues MR*NR FMAs, and a horizontal sum per
+output finishes the tile, followed by the fused epilogue (bias, residual add, cast ...) while
+the tile is still hot. No weight packing is needed, so the same kernel serves decode and
+prefill:
+
+* GEMV (M < `GEMM_MIN_ROWS`, decode): MR = 1. Memory bound; the weight is streamed once
+  (each W tile stays in L1 while the few rows of A pass over it) and >= 32 chunks of N are
+  spread over the thread pool. Measured at the speed of a pure read stream.
+* GEMM (M >= `GEMM_MIN_ROWS`, prefill / large decode batches): MR = 3 rows share each W
+  vector. A symbolic M is padded to a multiple of MR with `pad_einsum` (a copy of A, ~1/N of
+  the work): a predicate on M inside the tile defeats TVM's buffer compaction (the
+  accumulators then spill to a buffer of M rows) and halves the speed. Chunks of N sized
+  for L2 times row tiles run in parallel. ~1.3x numpy/OpenBLAS sgemm at M=512.
+
+With a symbolic M both variants are built and joined under a TIR `if M < GEMM_MIN_ROWS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.gpu.matmul import IterKind, IterTrait, make_iter_fusion_index_map
+from tvm.sym.analyzer import Analyzer
+
+# MR=3: the [MR, NR, lanes] fp32 accumulators (3*4*16*4 = 768 B) stay under TVM's 1 KiB
+# stack-allocation limit. Larger ones become heap workspaces, which LLVM must assume alias
+# the operands once any kernel in the module lacks `tirx.noalias` (the KV cache's kernels
+# do; TVM then drops noalias module-wide): every FMA would store its accumulator (3x
+# slower). 4x4 tiles were only ~3% faster even without that problem.
+GEMM_MR = 3
+GEMM_MIN_ROWS = 8  # the GEMM variant wins from ~7 rows (measured on 3072x576 weights)
+L2_BLOCK_BYTES = 128 * 1024  # W rows per parallel chunk of the GEMM stay within this (L2: 1 MiB)
+GEMV_MIN_CHUNKS = 32  # parallel chunks for the GEMV: the pool splits a loop statically
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One matmul variant: rows per tile, columns per tile, K lanes, columns per chunk."""
+
+    mr: int
+    nr: int
+    lanes: int
+    nb: int  # columns per parallel chunk (multiple of nr, divides N)
+
+
+@dataclass(frozen=True)
+class MatmulInfo:
+    """What the schedule needs to know about a recognised matmul PrimFunc."""
+
+    rows: tirx.PrimExpr  # M: product of the activation's row dims (symbolic or static)
+    n: int
+    k: int
+    acc_bits: int  # accumulator dtype bits (float32: 32)
+    w_bits: int  # weight element bits (decides the GEMM block size)
+    index_map: tirx.IndexMap  # block iters -> (rows, n, k)
+
+
+def _is_reduction(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> bool:
+    return any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(block).iter_vars)
+
+
+def _main_block(sch: s_tir.Schedule) -> s_tir.schedule.SBlockRV | None:
+    """The single reduction block of the function (None if there are 0 or several)."""
+    root = sch.get_sblock(sch.mod["main"].body.block.name_hint)
+    reductions = [b for b in sch.get_child_blocks(root) if _is_reduction(sch, b)]
+    return reductions[0] if len(reductions) == 1 else None
+
+
+def _iter_traits(stmt: tirx.SBlock) -> list[IterTrait] | None:
+    """Classify block iters as I (rows: in A and C), J (in W and C), K (reduce) or T (unit)."""
+    if len(stmt.reads) != 2 or len(stmt.writes) != 1:
+        return None
+    used = []
+    for region in [*stmt.reads, stmt.writes[0]]:
+        if any(
+            not (isinstance(r.extent, tirx.IntImm) and r.extent.value == 1) for r in region.region
+        ):
+            return None  # not a point access
+        used.append({v for r in region.region for v in tirx.analysis.undefined_vars(r.min)})
+    a_vars, w_vars, c_vars = used
+    traits = []
+    for iv in stmt.iter_vars:
+        v, ext = iv.var, iv.dom.extent
+        if isinstance(ext, tirx.IntImm) and ext.value == 1:
+            kind = IterKind.kIter_T
+        elif iv.iter_type == tirx.IterVar.CommReduce and v in a_vars and v in w_vars:
+            kind = IterKind.kIter_K
+        elif (
+            iv.iter_type == tirx.IterVar.DataPar and v in c_vars and (v in a_vars) != (v in w_vars)
+        ):
+            kind = IterKind.kIter_I if v in a_vars else IterKind.kIter_J
+        else:
+            return None  # batch dims shared by A and W, or an unknown access pattern
+        traits.append(IterTrait(kind, ext))
+    kinds = [t.kind for t in traits]
+    if kinds.count(IterKind.kIter_J) != 1 or kinds.count(IterKind.kIter_K) != 1:
+        return None
+    return traits
+
+
+def analyze(func: tirx.PrimFunc) -> MatmulInfo | None:
+    """Recognise `C[I.., J] = sum_K A[I.., K] * W[J, K]`: both operands contiguous in K."""
+    sch = s_tir.Schedule(func)
+    block = _main_block(sch)
+    if block is None:
+        return None
+    stmt = sch.get(block)
+    traits = _iter_traits(stmt)
+    if traits is None:
+        return None
+    k_var = next(iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce)
+    for region in stmt.reads:  # inner reduction: K is the last index of A and of W
+        last = region.region[-1].min
+        if not (isinstance(last, tirx.Var) and last.same_as(k_var)):
+            return None
+    ext = {kind: [t.extent for t in traits if t.kind == kind] for kind in IterKind}
+    j_ext, k_ext = ext[IterKind.kIter_J][0], ext[IterKind.kIter_K][0]
+    if not isinstance(j_ext, tirx.IntImm) or not isinstance(k_ext, tirx.IntImm):
+        return None
+    rows: tirx.PrimExpr = tirx.IntImm(str(k_ext.ty), 1)
+    for e in ext[IterKind.kIter_I]:
+        rows = rows * e
+    index_map = make_iter_fusion_index_map(
+        traits, [IterKind.kIter_I, IterKind.kIter_J, IterKind.kIter_K]
+    )
+    return MatmulInfo(
+        rows=Analyzer().simplify(rows),
+        n=int(j_ext.value),
+        k=int(k_ext.value),
+        acc_bits=stmt.writes[0].source.dtype.bits,
+        w_bits=stmt.reads[1].source.dtype.bits,
+        index_map=index_map,
+    )
+
+
+def _largest_divisor(n: int, candidates: list[int]) -> int:
+    return next((c for c in candidates if n % c == 0), 1)
+
+
+def tile_config(info: MatmulInfo, vector_bits: int, gemm: bool) -> TileConfig:
+    """Tile sizes: MR x NR accumulators must fit the register file (32 zmm with AVX-512)."""
+    max_lanes = max(vector_bits // info.acc_bits, 1)
+    lanes = _largest_divisor(info.k, [c for c in (64, 32, 16, 8, 4, 2) if c <= max_lanes])
+    nr = _largest_divisor(info.n, [4, 3, 2])
+    tiles = info.n // nr
+    if gemm:
+        # Largest chunk whose W rows fit the L2 budget, so the A rows streamed over it reuse W.
+        max_tiles = max(L2_BLOCK_BYTES // (nr * info.k * info.w_bits // 8), 1)
+        per_chunk = max(d for d in range(1, min(tiles, max_tiles) + 1) if tiles % d == 0)
+        return TileConfig(mr=GEMM_MR, nr=nr, lanes=lanes, nb=nr * per_chunk)
+    # GEMV: no reuse across chunks, so prefer many small chunks for load balance.
+    divisors = [d for d in range(1, tiles + 1) if tiles % d == 0 and tiles // d >= GEMV_MIN_CHUNKS]
+    return TileConfig(mr=1, nr=nr, lanes=lanes, nb=nr * max(divisors, default=1))
+
+
+def _inline_producers(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> None:
+    """Inline elementwise producers (casts, dequantize) into the matmul's operand reads."""
+    for producer in sch.get_producers(block):
+        sch.compute_inline(producer)
+
+
+def _consumers_in_order(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> list:
+    root = sch.get_sblock(sch.mod["main"].body.block.name_hint)
+    children = sch.get_child_blocks(root)
+    target = sch.get(block)
+    pos = next(i for i, b in enumerate(children) if sch.get(b).same_as(target))
+    return list(children[pos + 1 :])
+
+
+def _epilogue_in_tile(
+    sch: s_tir.Schedule, consumers: list, loop: s_tir.schedule.LoopRV, depth: int
+) -> None:
+    """Compute the epilogue per tile; a block that cannot move (and all after it, which
+    depend on it) stays a separate loop nest, parallel over its outer loop."""
+    for i, block in enumerate(consumers):
+        try:
+            sch.reverse_compute_at(block, loop)
+        except Exception:  # noqa: BLE001 - e.g. a broadcast or reducing epilogue
+            for rest in consumers[i:]:
+                sch.parallel(sch.get_loops(rest)[0])
+            return
+        inner = sch.get_loops(block)[depth:]
+        if inner and isinstance(sch.get(inner[-1]).extent, tirx.IntImm):
+            sch.vectorize(inner[-1])
+
+
+def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> tirx.PrimFunc:
+    """Apply one tile variant (see module doc); raises on any pattern it cannot handle."""
+    sch = s_tir.Schedule(func)
+    block = _main_block(sch)
+    _inline_producers(sch, block)
+    sch.transform_block_layout(block, info.index_map)
+    rows_static = isinstance(info.rows, tirx.IntImm)
+    if cfg.mr > 1 and not (rows_static and info.rows.value % cfg.mr == 0):
+        # Pad M (copies A into [ceil(M/MR)*MR, K]) so the tile loop carries no predicate.
+        sch.pad_einsum(block, [cfg.mr, 1, 1])
+        for pad in sch.get_producers(block):  # the A copy: parallel rows, vector along K
+            *outer, kk = sch.get_loops(pad)
+            sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+            sch.vectorize(sch.split(kk, [None, cfg.lanes])[1])
+    consumers = _consumers_in_order(sch, block)
+    # Chains like add -> cast collapse into the last consumer; what stays is computed per tile.
+    for c in consumers[:-1]:
+        try:
+            sch.compute_inline(c)
+        except Exception:  # noqa: BLE001 - block feeds several outputs; keep it as is
+            pass
+    consumers = _consumers_in_order(sch, block)
+
+    m, n, k = sch.get_loops(block)
+    ko, ki = sch.split(k, [None, cfg.lanes])
+    # Vector accumulators: rf[.., m, n, lane], lanes innermost so each update is one FMA.
+    rf = sch.rfactor(ki, len(sch.get(block).writes[0].region))
+    m, n, ko, ki = sch.get_loops(rf)
+    mo, mi = sch.split(m, [None, cfg.mr])
+    no, nm, ni = sch.split(n, [None, cfg.nb // cfg.nr, cfg.nr])
+    # GEMM: an A tile stays in L1 while the chunk's W rows (sized for L2) stream past it.
+    # GEMV: the few rows loop innermost so each W tile is read from memory once.
+    # (Blocking K as well would need the accumulators spilled between K blocks, and LLVM does
+    # not promote them back to registers: measured 40% slower at K=576, so K stays whole.)
+    tile = [no, mo, nm] if cfg.mr > 1 else [no, nm, mo]
+    sch.reorder(*tile, ko, mi, ni, ki)
+    # Horizontal sum and epilogue right after the accumulation, while the data is hot.
+    sch.reverse_compute_at(block, tile[-1])
+    lane, *outputs = sch.get_loops(block)[len(tile) :]  # [lane, rows?, cols]
+    if outputs:
+        sch.reorder(*outputs, lane)  # lanes innermost: one short sum per output
+    for loop in outputs:
+        sch.unroll(loop)
+    _epilogue_in_tile(sch, consumers, tile[-1], len(tile))
+    # GEMM: (chunk, row tile) pairs in parallel; each thread gets a contiguous range, so it
+    # keeps one W chunk in its L2 across consecutive row tiles.
+    sch.parallel(sch.fuse(no, mo) if cfg.mr > 1 else no)
+    sch.vectorize(ki)
+    sch.unroll(mi)
+    sch.unroll(ni)
+    init = sch.decompose_reduction(rf, ko)
+    sch.vectorize(sch.get_loops(init)[-1])
+    return sch.mod["main"]
+
+
+def dispatch_on_rows(
+    func: tirx.PrimFunc, rows: tirx.PrimExpr, small: tirx.PrimFunc, large: tirx.PrimFunc
+) -> tirx.PrimFunc:
+    """`if rows < GEMM_MIN_ROWS: small else: large`, both scheduled from `func`."""
+    for f in (small, large):
+        assert all(a.same_as(b) for a, b in zip(f.params, func.params, strict=True))
+    cond = rows < tirx.IntImm(str(rows.ty), GEMM_MIN_ROWS)
+    body = tirx.IfThenElse(cond, small.body, large.body)
+    return func.with_body(body)
+
+
+def schedule(func: tirx.PrimFunc, vector_bits: int) -> tirx.PrimFunc | None:
+    """Schedule a matmul PrimFunc, or return None if it is not one we handle."""
+    info = analyze(func)
+    if info is None:
+        return None
+    if isinstance(info.rows, tirx.IntImm):
+        gemm = info.rows.value >= GEMM_MIN_ROWS
+        return schedule_matmul(func, info, tile_config(info, vector_bits, gemm))
+    small = schedule_matmul(func, info, tile_config(info, vector_bits, gemm=False))
+    large = schedule_matmul(func, info, tile_config(info, vector_bits, gemm=True))
+    return dispatch_on_rows(func, info.rows, small, large)

@@ -1,0 +1,110 @@
+"""Compilation targets: the host CPU (features read from /proc/cpuinfo) and CUDA.
+
+Why not `-mcpu=native` / LLVM's host feature detection: this VM's CPU advertises AMX
+(amx_tile/amx_int8/amx_bf16) but executing AMX instructions raises SIGILL, so every SIMD
+feature is set explicitly from the kernel's flag list and AMX is always switched off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import tvm
+from tvm.target import Target
+
+LOG = logging.getLogger(__name__)
+
+# LLVM feature name -> /proc/cpuinfo flag for the SIMD sets our kernels can use. Each is
+# enabled iff the flag is present and disabled otherwise, so the CPU model name (kept for
+# LLVM's instruction scheduling) cannot switch on a vector ISA the VM hides.
+_X86_FEATURES = {
+    "sse4.2": "sse4_2",
+    "avx": "avx",
+    "avx2": "avx2",
+    "fma": "fma",
+    "f16c": "f16c",
+    "bmi2": "bmi2",
+    "avx512f": "avx512f",
+    "avx512bw": "avx512bw",
+    "avx512cd": "avx512cd",
+    "avx512dq": "avx512dq",
+    "avx512vl": "avx512vl",
+    "avx512vnni": "avx512_vnni",
+    "avx512bf16": "avx512_bf16",
+    "avx512fp16": "avx512_fp16",
+    "avx512vbmi": "avx512vbmi",
+    "avxvnni": "avx_vnni",
+}
+# Never emitted, whatever the CPU claims (see module docstring).
+_ALWAYS_OFF = ("amx-tile", "amx-int8", "amx-bf16", "amx-fp16", "amx-complex")
+
+
+def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _mcpu(flags: set[str]) -> str:
+    """LLVM's name for the host (for instruction scheduling) or a generic x86-64 level."""
+    host = tvm.target.codegen.llvm_get_system_cpu()
+    triple = tvm.target.codegen.llvm_get_system_triple()
+    if host and host != "generic" and tvm.target.codegen.llvm_is_valid_cpu(host, triple):
+        return host
+    if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= flags:
+        return "x86-64-v4"
+    if {"avx2", "fma", "bmi2"} <= flags:
+        return "x86-64-v3"
+    return "x86-64-v2"
+
+
+@functools.cache
+def cpu_target() -> Target:
+    """The llvm target for this machine with explicit SIMD features and AMX disabled."""
+    flags = _cpu_flags()
+    if not flags:  # not Linux/x86: trust LLVM's own detection
+        LOG.warning("no /proc/cpuinfo flags; using Target.from_device(cpu)")
+        return Target.from_device(tvm.cpu())
+    mattr = [("+" if flag in flags else "-") + feat for feat, flag in _X86_FEATURES.items()]
+    mattr += ["-" + feat for feat in _ALWAYS_OFF]
+    if "avx512f" in flags:
+        # Our kernels are written for 512-bit vectors; some CPU models prefer 256-bit ones.
+        mattr.append("-prefer-256-bit")
+    target = Target(
+        {
+            "kind": "llvm",
+            "mtriple": tvm.target.codegen.llvm_get_system_triple(),
+            "mcpu": _mcpu(flags),
+            "mattr": mattr,
+        }
+    )
+    LOG.debug("cpu target: %s", target)
+    return target
+
+
+def cuda_target(arch: str = "sm_80") -> Target:
+    """A CUDA target for `arch` (compiles here without a GPU; NVRTC JITs it when loaded)."""
+    return Target({"kind": "cuda", "arch": arch, "host": {"kind": "llvm"}})
+
+
+def vector_bits(target: Target) -> int:
+    """SIMD register width the CPU schedules tile for (512 with AVX-512, 256 with AVX2)."""
+    width = tvm.target.codegen.llvm_get_vector_width(target)
+    return width if width and width > 0 else 128
+
+
+def resolve_target(device: str) -> Target:
+    """Map a device name ("cpu", "llvm", "cuda", "cuda:sm_90") to a compilation target."""
+    name, _, arch = device.partition(":")
+    if name in ("cpu", "llvm"):
+        return cpu_target()
+    if name == "cuda":
+        return cuda_target(arch or "sm_80")
+    raise ValueError(f"device must be one of 'cpu', 'llvm', 'cuda[:sm_XX]'; got {device!r}")

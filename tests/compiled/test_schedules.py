@@ -1,0 +1,293 @@
+"""CPU schedules: numerics against numpy through the real pipeline, and loop structure.
+
+Each case builds a small relax function with a symbolic row count (like prefill's seq_len),
+compiles it with mlcrun's pipeline for the host CPU and runs it in the VM for several M:
+1 and 3 take the GEMV variant, 17 and 128 the padded GEMM one (17 is not a multiple of 4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from tvm import relax, tirx  # noqa: E402
+from tvm.relax.frontend import nn  # noqa: E402
+
+from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
+from mlcrun.compiler.schedules.matmul import GEMM_MIN_ROWS  # noqa: E402
+from mlcrun.compiler.target import cpu_target, cuda_target  # noqa: E402
+
+ROWS = (1, 3, 17, 128)
+RNG = np.random.default_rng(0)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def _module(n: int, k: int, dtype: str, epilogue: str) -> tvm.IRModule:
+    """main(x[1, m, k], w[n, k], b[n], r[1, m, n]) with y = x @ w.T + the chosen epilogue."""
+    m = tirx.Var("m", "int64")
+    x = relax.Var("x", relax.TensorType((1, m, k), dtype))
+    w = relax.Var("w", relax.TensorType((n, k), dtype))
+    b = relax.Var("b", relax.TensorType((n,), dtype))
+    r = relax.Var("r", relax.TensorType((1, m, n), dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w, b, r]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w)))
+            if epilogue in ("bias", "bias_silu_mul"):
+                y = bb.emit(relax.op.add(y, b))
+            if epilogue == "residual":
+                y = bb.emit(relax.op.add(r, y))
+            if epilogue == "bias_silu_mul":
+                y = bb.emit(relax.op.multiply(relax.op.nn.silu(y), r))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _reference(x, w, b, r, epilogue: str) -> np.ndarray:
+    y = x.astype(np.float64) @ w.astype(np.float64).T
+    if epilogue in ("bias", "bias_silu_mul"):
+        y = y + b
+    if epilogue == "residual":
+        y = r + y
+    if epilogue == "bias_silu_mul":
+        y = _silu(y) * r
+    return y
+
+
+def _vm(mod: tvm.IRModule) -> relax.VirtualMachine:
+    target = cpu_target()
+    return relax.VirtualMachine(
+        tvm.compile(mod, target, relax_pipeline=get_pipeline(target)), tvm.cpu()
+    )
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "dtype", "epilogue"),
+    [
+        (96, 64, "float32", "none"),  # tiles divide everything
+        (30, 40, "float32", "bias"),  # N % 4 != 0 (NR=3), K % 16 != 0 (8 lanes)
+        (64, 48, "float32", "residual"),
+        (64, 32, "float32", "bias_silu_mul"),  # a chain of epilogue blocks
+        (80, 64, "float16", "residual"),  # fp16 storage, fp32 accumulation, cast epilogue
+    ],
+)
+def test_matmul_matches_numpy(n: int, k: int, dtype: str, epilogue: str) -> None:
+    vm = _vm(_module(n, k, dtype, epilogue))
+    w = RNG.standard_normal((n, k)).astype(dtype)
+    b = RNG.standard_normal(n).astype(dtype)
+    for rows in ROWS:
+        x = RNG.standard_normal((1, rows, k)).astype(dtype)
+        r = RNG.standard_normal((1, rows, n)).astype(dtype)
+        args = [tvm.runtime.tensor(a) for a in (x, w, b, r)]
+        got = vm["main"](*args).numpy()
+        want = _reference(x, w, b, r, epilogue)
+        tol = 4e-3 if dtype == "float16" else 1e-5
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.sqrt(k), err_msg=f"M={rows}")
+
+
+def _rms_norm_module(h: int) -> tvm.IRModule:
+    bsz = tirx.Var("batch", "int64")
+    x = relax.Var("x", relax.TensorType((bsz, 1, h), "float32"))
+    g = relax.Var("g", relax.TensorType((h,), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, g]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.rms_norm(x, g, axes=[-1], epsilon=1e-5))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_rms_norm_matches_numpy() -> None:
+    h = 96
+    vm = _vm(_rms_norm_module(h))
+    g = RNG.standard_normal(h).astype("float32")
+    for rows in (1, 5):
+        x = RNG.standard_normal((rows, 1, h)).astype("float32")
+        got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(g)).numpy()
+        want = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5) * g
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_take_and_silu_mul() -> None:
+    """Injective kernels: the embedding gather and the MLP's split + SiLU * up."""
+    vocab, h = 50, 32
+    n = tirx.Var("n", "int64")
+    ids = relax.Var("ids", relax.TensorType((n,), "int32"))
+    table = relax.Var("table", relax.TensorType((vocab, 2 * h), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [ids, table]):
+        with bb.dataflow():
+            emb = bb.emit(relax.op.take(table, ids, axis=0))  # [n, 2h]
+            parts = bb.emit(relax.op.split(emb, 2, axis=-1))
+            gate, up = bb.emit(relax.TupleGetItem(parts, 0)), bb.emit(relax.TupleGetItem(parts, 1))
+            out = bb.emit_output(relax.op.multiply(relax.op.nn.silu(gate), up))
+        bb.emit_func_output(out)
+    vm = _vm(bb.get())
+    tab = RNG.standard_normal((vocab, 2 * h)).astype("float32")
+    idx = RNG.integers(0, vocab, 7).astype("int32")
+    got = vm["main"](tvm.runtime.tensor(idx), tvm.runtime.tensor(tab)).numpy()
+    e = tab[idx]
+    np.testing.assert_allclose(got, _silu(e[:, :h]) * e[:, h:], rtol=1e-5, atol=1e-6)
+
+
+def _scheduled_prim_funcs(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
+    target = cpu_target()
+    with target:
+        mod = tvm.transform.Sequential(scheduled_tir_passes(target))(mod)
+    return {g.name_hint: f for g, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+@pytest.mark.parametrize("epilogue", ["none", "residual", "bias_silu_mul"])
+def test_matmuls_are_parallel_and_vectorized(epilogue: str) -> None:
+    funcs = _scheduled_prim_funcs(_module(64, 64, "float32", epilogue))
+    matmuls = {name: f for name, f in funcs.items() if "matmul" in name}
+    assert matmuls, f"no matmul kernel in {sorted(funcs)}"
+    for name, func in funcs.items():
+        assert func.attrs.get("tirx.is_scheduled"), f"{name} left unscheduled"
+    for name, func in matmuls.items():
+        script = func.script()
+        assert "T.parallel" in script, f"{name} has no parallel loop"
+        assert "T.vectorized" in script, f"{name} has no vectorized loop"
+        dispatch = f"if m < T.int64({GEMM_MIN_ROWS})"
+        assert dispatch in script, f"{name} lacks the GEMV/GEMM dispatch on M"
+
+
+def test_batch_decode_layout() -> None:
+    """Decode activations are [batch, 1, hidden]: rows come from the batch dim."""
+    n, k = 64, 64
+    batch = tirx.Var("batch", "int64")
+    x = relax.Var("x", relax.TensorType((batch, 1, k), "float32"))
+    w = relax.Var("w", relax.TensorType((n, k), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
+        bb.emit_func_output(out)
+    vm = _vm(bb.get())
+    w_np = RNG.standard_normal((n, k)).astype("float32")
+    for rows in (1, 2, 5, 8):
+        x_np = RNG.standard_normal((rows, 1, k)).astype("float32")
+        got = vm["main"](tvm.runtime.tensor(x_np), tvm.runtime.tensor(w_np)).numpy()
+        np.testing.assert_allclose(got, x_np @ w_np.T, rtol=1e-5, atol=1e-4)
+
+
+class _Block(nn.Module):
+    """RMSNorm -> gate/up Linear -> SiLU * up -> down Linear, plus the residual."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        self.norm = nn.RMSNorm(hidden, -1, 1e-5, bias=False)
+        self.gate_up = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=True)
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        gate, up = nn.op.split(self.gate_up(self.norm(x)), 2, axis=-1)
+        return x + self.down(nn.op.silu(gate) * up)
+
+
+def _export_block(target: tvm.target.Target, hidden: int = 48, inter: int = 80):
+    model = _Block(hidden, inter)
+    spec = {
+        "forward": {
+            "x": nn.spec.Tensor([1, "seq_len", hidden], "float32"),
+            "$": {"param_mode": "packed", "effect_mode": "none"},
+        }
+    }
+    with target:
+        return model.export_tvm(spec)
+
+
+def test_nn_module_through_pipeline() -> None:
+    """An exported nn.Module (packed params, symbolic seq_len) against numpy."""
+    target = cpu_target()
+    mod, named = _export_block(target)
+    vm = relax.VirtualMachine(
+        tvm.compile(mod, target, relax_pipeline=get_pipeline(target)), tvm.cpu()
+    )
+    params = {
+        name: RNG.standard_normal([int(d) for d in p.shape]).astype("float32") * 0.3
+        for name, p in named
+    }
+    args = [tvm.runtime.tensor(params[name]) for name, _ in named]
+    for seq in (1, 6, 33):
+        x = RNG.standard_normal((1, seq, 48)).astype("float32")
+        got = vm["forward"](tvm.runtime.tensor(x), args).numpy()
+        h = x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + 1e-5) * params["norm.weight"]
+        gate, up = np.split(h @ params["gate_up.weight"].T, 2, axis=-1)
+        want = x + (_silu(gate) * up) @ params["down.weight"].T + params["down.bias"]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"seq_len={seq}")
+
+
+def test_cuda_build_compiles_without_gpu() -> None:
+    """The cuda path (dlight GPU rules) builds here; the .so is not run."""
+    target = cuda_target("sm_90")
+    mod, _ = _export_block(target)
+    executable = tvm.compile(mod, target, relax_pipeline=get_pipeline(target))
+    assert executable is not None
+
+
+def test_exported_kernels_are_left_alone() -> None:
+    """The paged KV cache's kernels (some lack the scheduled attr) must not be rescheduled."""
+    from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
+
+    target = cpu_target()
+    bb = relax.BlockBuilder()
+    with target, bb.function("create_paged_kv_cache", []):
+        ints = [tirx.Var(n, "int64") for n in ("b", "s", "c", "p", "w")]
+        cache = TIRPagedKVCache(
+            attn_kind="mha", max_batch_size=ints[0], max_total_seq_len=ints[1],
+            prefill_chunk_size=ints[2], page_size=ints[3], support_sliding_window=ints[4],
+            layer_partition=relax.ShapeExpr([0, 1]), num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, qk_head_dim=16, v_head_dim=16, mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL, rope_scale=1,
+            rope_theta=10000, rope_scaling={}, rope_ext_factors=relax.prim_value(0),
+            rotary_dim=16, enable_disaggregation=False, dtype="float32", target=target,
+        )  # fmt: skip
+        bb.emit_func_output(cache._expr)
+    before = {
+        f.attrs["global_symbol"]: f
+        for _, f in bb.get().functions_items()
+        if isinstance(f, tirx.PrimFunc)
+    }
+    with target:
+        after = tvm.transform.Sequential(scheduled_tir_passes(target))(bb.get())
+    after = {
+        f.attrs["global_symbol"]: f
+        for _, f in after.functions_items()
+        if isinstance(f, tirx.PrimFunc)
+    }
+    assert set(after) == set(before)
+    for name, func in before.items():  # same body, only the scheduled mark added
+        tvm.ir.assert_structural_equal(after[name].body, func.body)
+
+
+def test_matmul_accumulators_fit_on_the_stack() -> None:
+    """TVM puts small "global" allocations on the stack; anything else is a heap workspace
+    that LLVM must assume aliases the operands as soon as one kernel in the module lacks
+    `tirx.noalias` (the KV cache's kernels do, and TVM 0.27 then drops noalias for the whole
+    module): the accumulators would be stored after every FMA, 3x slower. So no parallel task
+    of a matmul may allocate a workspace."""
+    import re
+
+    funcs = _scheduled_prim_funcs(_module(1536, 576, "float32", "residual"))
+    (name,) = [n for n in funcs if "matmul" in n]
+    target = cpu_target()
+    lib = tvm.compile(tvm.IRModule({name: funcs[name].with_attr("global_symbol", name)}), target)
+    llvm_ir = lib.mod.inspect_source("ll")
+    tasks = re.findall(r"define [^\n]*@__tvm_parallel_lambda[^\n]*\{(.*?)\n\}", llvm_ir, re.S)
+    assert len(tasks) >= 3, "expected the GEMV, A-padding and GEMM parallel tasks"
+    for body in tasks:
+        assert "TVMBackendAllocWorkspace" not in body
+
+
+def test_no_kernel_of_a_block_stays_serial() -> None:
+    """Every kernel of the exported block (norm, matmuls, SiLU * up, residual) is parallel."""
+    mod, _ = _export_block(cpu_target())
+    funcs = _scheduled_prim_funcs(mod)
+    assert len(funcs) >= 3, sorted(funcs)
+    for name, func in funcs.items():
+        assert "T.parallel" in func.script(), f"{name} stays a single-threaded loop nest"
