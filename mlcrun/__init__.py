@@ -10,9 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "MlcrunError", "__version__"]
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "MlcrunError", "__version__"]
 
 if TYPE_CHECKING:
+    from .engine.async_engine import AsyncEngine
+    from .engine.config import EngineConfig
     from .engine.types import SamplingParams
     from .errors import MlcrunError
     from .llm import LLM
@@ -28,6 +30,14 @@ def __getattr__(name: str):
         from .engine.types import SamplingParams
 
         return SamplingParams
+    if name == "EngineConfig":
+        from .engine.config import EngineConfig
+
+        return EngineConfig
+    if name == "AsyncEngine":
+        from .engine.async_engine import AsyncEngine
+
+        return AsyncEngine
     if name == "MlcrunError":
         from .errors import MlcrunError
 

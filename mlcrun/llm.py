@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from .engine.generate import generate
-from .engine.types import RequestOutput, SamplingParams
+from .engine.config import EngineConfig
+from .engine.engine import Engine
+from .engine.request import RequestOutput
+from .engine.types import SamplingParams
 from .errors import MlcrunError
 from .runtime import Model
 from .tokenizer import Tokenizer
@@ -15,7 +19,13 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model: str | Path, *, num_threads: int | None = None):
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        engine_config: EngineConfig | None = None,
+        num_threads: int | None = None,
+    ):
         self.model = Model(model, num_threads=num_threads)
         art = self.model.artifact
         self.tokenizer = (
@@ -27,49 +37,86 @@ class LLM:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
+        config = (engine_config or EngineConfig()).resolve(
+            context_window=art.context_window,
+            max_batch=art.max_batch,
+            prefill_chunk=art.prefill_chunk,
+            page_size=art.page_size,
+            kv_bytes_per_token=self.model.kv_bytes_per_token,
+        )
+        if self.model.config.sliding_window:
+            config = replace(config, prefix_cache=False)  # windowed sequences cannot be forked
+        self.engine_config = config
+        self.engine = Engine(
+            self.model,
+            config,
+            eos_token_ids=self.eos_token_ids,
+            context_window=art.context_window,
+            decoder_factory=self._decoder if self.tokenizer is not None else None,
+        )
+        self._ids = itertools.count()
+
+    def _decoder(self, prompt: list[int]):
+        return self.tokenizer.stream(prefix_ids=prompt[-4:])
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids), all batched together."""
+        """Generate for every prompt (text or token ids), all batched together. Returns one
+        output per prompt (per prompt and choice, in order, when n > 1)."""
+        outputs: dict[str, list[RequestOutput]] = {}
+        order = self._submit(prompts, sampling_params)
+        for out in self._drain(order):
+            if out.finished:
+                outputs.setdefault(out.request_id, []).append(out)
+        return [o for rid in order for o in sorted(outputs[rid], key=lambda o: o.index)]
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Outputs as they are produced: `delta_text` / `delta_token_ids` hold what is new."""
+        yield from self._drain(self._submit(prompts, sampling_params))
+
+    def _submit(self, prompts, sampling_params) -> list[str]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
-        prompts = [self._encode(p) for p in prompts]
+        encoded = [self._encode(p) for p in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise MlcrunError("give one SamplingParams, or one per prompt")
-        art = self.model.artifact
-        outputs = generate(
-            self.model,
-            prompts,
-            sampling_params,
-            eos_token_ids=self.eos_token_ids,
-            max_batch=art.max_batch,
-            prefill_chunk=art.prefill_chunk,
-            context_window=art.context_window,
-        )
-        if self.tokenizer is not None:
-            for out in outputs:
-                out.text = self.tokenizer.decode(out.token_ids)
-        return outputs
+            sampling_params = [sampling_params] * len(encoded)
+        if len(sampling_params) != len(encoded):
+            raise MlcrunError("sampling_params: give one, or one per prompt")
+        if sampling_params and any(p.stop for p in sampling_params) and self.tokenizer is None:
+            raise MlcrunError("stop: stop strings need a tokenizer in the artifact")
+        ids = []
+        for prompt, params in zip(encoded, sampling_params):
+            rid = f"llm-{next(self._ids)}"
+            self.engine.add_request(rid, prompt, params)
+            ids.append(rid)
+        return ids
+
+    def _drain(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        pending = set(request_ids)
+        try:
+            while pending and self.engine.has_unfinished():
+                for out in self.engine.step():
+                    yield out
+                    if out.finished and all(
+                        r.finished for r in self.engine.requests.get(out.request_id, [])
+                    ):
+                        pending.discard(out.request_id)
+        finally:  # an abandoned iterator must not leave requests holding KV pages
+            for rid in pending:
+                self.engine.abort(rid)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise MlcrunError("this artifact has no tokenizer; pass token ids instead of text")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise MlcrunError("empty prompt")
-        window = self.model.artifact.context_window
-        if len(ids) >= window:
-            raise MlcrunError(
-                f"prompt of {len(ids)} tokens does not fit the context window ({window})"
-            )
-        return ids
+                raise MlcrunError("prompt: this artifact has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]

@@ -30,7 +30,7 @@ def compile_command(
 ) -> None:
     """Compile a checkpoint into an artifact folder: params, tokenizer and a TVM library."""
     setup_logging(verbose)
-    from ..compiler.build import compile_model
+    from ..compiler.build import compile_model, is_up_to_date
     from ..compiler.options import CompileOptions
 
     options = CompileOptions(
@@ -41,6 +41,9 @@ def compile_command(
         max_batch=max_batch,
         page_size=page_size,
     )
+    if not force and is_up_to_date(model, output, options):
+        err_console.print(f"{output} is up to date (use --force to rebuild)", highlight=False)
+        return
     with RichProgress() as progress:
         out = compile_model(model, output, options, force=force, progress=progress)
     err_console.print(f"[green]compiled[/] {model} -> {out}", highlight=False)

@@ -167,12 +167,28 @@ def _read_json(path: Path) -> dict:
 
 
 def _fingerprint(folder: Path, options: CompileOptions) -> str:
-    digest = hashlib.sha256(f"{__version__}|{options}".encode())
+    """Same inputs, same options, same compiler code -> same fingerprint (a no-op compile)."""
+    digest = hashlib.sha256(f"{__version__}|{tvm.__version__}|{options}".encode())
+    digest.update(str(resolve_target(options.device)).encode())
+    package = Path(__file__).resolve().parents[1]
+    for sub in ("compiler", "models", "weights", "quant"):
+        for source in sorted((package / sub).rglob("*.py")):
+            digest.update(source.read_bytes())
     for file in sorted(folder.iterdir()):
         if file.is_file():
             stat = file.stat()
             digest.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     return digest.hexdigest()
+
+
+def is_up_to_date(model: str, out: Path, options: CompileOptions) -> bool:
+    """Would compiling `model` into `out` with `options` be a no-op?"""
+    if not Path(out).exists():
+        return False
+    try:
+        return _up_to_date(Path(out), _fingerprint(resolve_checkpoint(model), options))
+    except MlcrunError:
+        return False
 
 
 def _up_to_date(out: Path, fingerprint: str) -> bool:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -12,47 +15,136 @@ from ..errors import MlcrunError
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """What one request asks of the sampler; validated (and normalised) at construction."""
+
     max_tokens: int = 256
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k cut
+    top_k: int = 0  # 0 (or -1, normalised to 0) means no top-k cut
     seed: int | None = None
     logprobs: int | None = None  # return the top-N logprobs of each generated position
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # New fields go below, so that positional construction keeps working.
+    min_p: float = 0.0  # drop tokens whose probability is below min_p * the top probability
+    # HF/vLLM semantics, over prompt + generated tokens: positive logits divided, negative
+    # multiplied.
+    repetition_penalty: float = 1.0
+    # OpenAI semantics, over generated tokens only: logit -= freq * count + presence * (count > 0)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # token id -> bias added to its logit before anything else. Give a dict (or pairs); it is
+    # stored as sorted (token_id, bias) pairs so that the dataclass stays frozen and hashable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings (applied by the detokenizer)
+    n: int = 1  # completions per prompt
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens are generated
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise MlcrunError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise MlcrunError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise MlcrunError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise MlcrunError(f"top_k must be >= 0, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise MlcrunError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        set_ = partial(object.__setattr__, self)
+        set_("max_tokens", _int("max_tokens", self.max_tokens, lo=1))
+        set_("temperature", _float("temperature", self.temperature, lo=0.0))
+        top_p = _float("top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            raise MlcrunError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        set_("top_p", top_p)
+        set_("top_k", 0 if self.top_k == -1 else _int("top_k", self.top_k, lo=0, off=-1))
+        set_("min_p", _float("min_p", self.min_p, lo=0.0, hi=1.0))
+        if self.seed is not None:
+            set_("seed", _int("seed", self.seed))
+        if self.logprobs is not None:
+            set_("logprobs", _int("logprobs", self.logprobs, lo=0, hi=20))
+        if not isinstance(self.ignore_eos, bool):
+            raise MlcrunError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        set_("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        penalty = _float("repetition_penalty", self.repetition_penalty)
+        if not penalty > 0:
+            raise MlcrunError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        set_("repetition_penalty", penalty)
+        for name in ("frequency_penalty", "presence_penalty"):
+            set_(name, _float(name, getattr(self, name), lo=-2.0, hi=2.0))
+        set_("logit_bias", _logit_bias(self.logit_bias))
+        set_("stop", _stop_strings(self.stop))
+        set_("n", _int("n", self.n, lo=1))
+        set_("min_tokens", _int("min_tokens", self.min_tokens, lo=0))
+        if self.min_tokens > self.max_tokens:
+            raise MlcrunError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """From a plain mapping (JSON, generation defaults); unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise MlcrunError(
+                f"unknown sampling parameter(s): {', '.join(unknown)}; "
+                f"known ones are {', '.join(sorted(known))}"
+            )
+        return cls(**d)
 
 
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length"
+def _int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None, off=None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise MlcrunError(f"{name} must be an integer, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if lo is not None and hi is not None else None
+        bound = bound or (f">= {lo}" if lo is not None else f"<= {hi}")
+        also = f" (or {off} for off)" if off is not None else ""
+        raise MlcrunError(f"{name} must be {bound}{also}, got {value!r}")
+    return int(value)
 
 
-class ModelRunner(Protocol):
-    """What the engine needs from a model (runtime.Model implements it)."""
+def _float(name: str, value: Any, *, lo: float | None = None, hi: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise MlcrunError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise MlcrunError(f"{name} must be finite, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bound = f"in [{lo:g}, {hi:g}]" if lo is not None and hi is not None else None
+        bound = bound or (f">= {lo:g}" if lo is not None else f"<= {hi:g}")
+        raise MlcrunError(f"{name} must be {bound}, got {value!r}")
+    return float(value)
 
-    @property
-    def vocab_size(self) -> int: ...
-    def token_embed(self, token_ids: list[int]) -> object: ...
-    def batch_prefill(
-        self, embeddings: object, seq_ids: list[int], lengths: list[int]
-    ) -> np.ndarray: ...
-    def batch_decode(self, embeddings: object, seq_ids: list[int]) -> np.ndarray: ...
-    def add_new_sequence(self, seq_id: int) -> None: ...
-    def remove_sequence(self, seq_id: int) -> None: ...
+
+def _token_id(name: str, value: Any) -> int:
+    if isinstance(value, str) and value.isdigit():  # JSON object keys are strings
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise MlcrunError(f"{name}: token ids must be non-negative integers, got {value!r}")
+    return int(value)
+
+
+def _token_ids(name: str, values: Any) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise MlcrunError(f"{name} must be a list of token ids, got {values!r}")
+    return tuple(_token_id(name, v) for v in values)
+
+
+def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    if bias is None:
+        return ()
+    try:
+        pairs = list(bias.items()) if isinstance(bias, Mapping) else [tuple(p) for p in bias]
+    except TypeError:
+        raise MlcrunError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise MlcrunError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        token = _token_id("logit_bias", pair[0])
+        if token in out:
+            raise MlcrunError(f"logit_bias names token {token} twice")
+        out[token] = _float(f"logit_bias[{token}]", pair[1], lo=-100.0, hi=100.0)
+    return tuple(sorted(out.items()))
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    stop = tuple(stop) if isinstance(stop, Iterable) and not isinstance(stop, Mapping) else None
+    if stop is None or not all(isinstance(s, str) and s for s in stop):
+        raise MlcrunError("stop must be a string or a list of non-empty strings")
+    return stop

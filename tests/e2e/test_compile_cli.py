@@ -61,6 +61,7 @@ def test_compile_then_noop_then_force(ckpt, tmp_path):
     mtime = (out / config["library"]).stat().st_mtime_ns
     again = run_cli("compile", ckpt, "-o", out)  # same inputs: nothing to do
     assert again.returncode == 0, again.stderr
+    assert "up to date" in again.stderr
     assert (out / config["library"]).stat().st_mtime_ns == mtime
     forced = run_cli("compile", ckpt, "-o", out, "--force", "--context-window", "128")
     assert forced.returncode == 0, forced.stderr

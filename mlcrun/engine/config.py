@@ -1,0 +1,89 @@
+"""EngineConfig: how many sequences run together and how much memory the KV cache may use."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from ..errors import MlcrunError
+
+PRESETS = ("local", "interactive", "server")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`None` fields are filled from the model (see `resolve`)."""
+
+    max_num_sequence: int | None = None
+    max_total_sequence_length: int | None = None  # KV capacity in tokens, all sequences together
+    prefill_chunk_size: int | None = None
+    kv_cache_page_size: int | None = None
+    prefix_cache: bool = True
+    prefix_cache_max_retained: int = 32  # finished sequences kept in the KV cache for reuse
+    kv_memory: float | None = None  # bytes (> 1) or a fraction of RAM (<= 1)
+    mode: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.mode not in PRESETS:
+            raise MlcrunError(f"mode must be one of {', '.join(PRESETS)}, got {self.mode!r}")
+        for name in (
+            "max_num_sequence",
+            "max_total_sequence_length",
+            "prefill_chunk_size",
+            "kv_cache_page_size",
+        ):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise MlcrunError(f"{name} must be a positive integer, got {value!r}")
+        if self.prefix_cache_max_retained < 0:
+            raise MlcrunError("prefix_cache_max_retained must be >= 0")
+        if self.kv_memory is not None and self.kv_memory <= 0:
+            raise MlcrunError(f"kv_memory must be positive, got {self.kv_memory!r}")
+
+    @classmethod
+    def preset(cls, mode: str, **overrides) -> EngineConfig:
+        return cls(mode=mode, **overrides)
+
+    def resolve(
+        self,
+        *,
+        context_window: int,
+        max_batch: int,
+        prefill_chunk: int,
+        page_size: int,
+        kv_bytes_per_token: int,
+    ) -> EngineConfig:
+        """Concrete values for a model: every field set, the KV capacity from the budget."""
+        page_size = self.kv_cache_page_size or page_size
+        default_seqs = {"interactive": 1, "local": min(4, max_batch), "server": max_batch}
+        seqs = self.max_num_sequence or default_seqs[self.mode]
+        if self.max_total_sequence_length is not None:
+            capacity = self.max_total_sequence_length
+        elif self.kv_memory is not None:
+            budget = self.kv_memory * _ram_bytes() if self.kv_memory <= 1 else self.kv_memory
+            capacity = int(budget // kv_bytes_per_token)
+        elif self.mode == "server":
+            capacity = int(0.25 * _ram_bytes() // kv_bytes_per_token)
+            capacity = min(capacity, seqs * context_window)
+        else:
+            capacity = seqs * context_window
+        capacity = capacity // page_size * page_size
+        if capacity < page_size:
+            raise MlcrunError(
+                f"the KV budget holds {capacity} tokens, less than one page of {page_size}"
+            )
+        return replace(
+            self,
+            max_num_sequence=seqs,
+            max_total_sequence_length=capacity,
+            prefill_chunk_size=self.prefill_chunk_size or prefill_chunk,
+            kv_cache_page_size=page_size,
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return (self.max_total_sequence_length or 0) // (self.kv_cache_page_size or 1)
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
