@@ -229,6 +229,28 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+    ) -> list[int] | str:
+        """Token ids (or the text) of a conversation, as transformers' apply_chat_template."""
+        from .chat_template import render
+
+        text = render(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens={
+                "bos_token": self.bos_token,
+                "eos_token": self.eos_token,
+                "unk_token": self.unk_token,
+                "pad_token": self.pad_token,
+            },
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
     def stream(
         self, skip_special_tokens: bool = True, prefix_ids: Sequence[int] = ()
     ) -> StreamDecoder:

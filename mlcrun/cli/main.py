@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from .. import __version__
+from .chat import chat_command
 from .compile import compile_command
 
 app = typer.Typer(
@@ -15,6 +16,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("compile")(compile_command)
+app.command("chat")(chat_command)
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,87 @@
+"""`mlcrun chat [MODEL]`: one-shot (`--prompt`), piped (a turn per stdin line), or a REPL."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from .common import RichProgress, err_console, handle_errors, setup_logging
+
+
+@handle_errors
+def chat_command(
+    model: str = typer.Argument(
+        None, help="Artifact, HF folder, hub id, GGUF file; default: SmolLM2-135M-Instruct."
+    ),
+    prompt: str = typer.Option(None, "--prompt", "-p", help="Ask once, print the answer, exit."),
+    system: str = typer.Option(None, "--system", help="System message."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    quantization: str = typer.Option(
+        None, "--quantization", "-q", help="Preset when compiling (default: auto for GGUF)."
+    ),
+    temperature: float = typer.Option(0.7, "--temperature"),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty"),
+    seed: int = typer.Option(None, "--seed"),
+    max_tokens: int = typer.Option(512, "--max-tokens"),
+    stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per answer."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Chat with a model: an interactive REPL, or one answer per --prompt / stdin line."""
+    setup_logging(verbose)
+    from ..chat import Conversation
+    from ..default_model import resolve_artifact
+    from ..engine.config import EngineConfig
+    from ..engine.types import SamplingParams
+    from ..llm import LLM
+
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        seed=seed,
+        stop=tuple(stop or ()),
+    )
+    with RichProgress() as progress:
+        folder = resolve_artifact(
+            model, quantization=quantization, device=device, progress=progress
+        )
+    llm = LLM(folder, engine_config=EngineConfig(mode="interactive"))
+    conv = Conversation(llm, params, system=system)
+    if prompt is not None:
+        _answer(conv, prompt, json_out)
+    elif not sys.stdin.isatty():
+        for line in sys.stdin:
+            if line.strip():
+                _answer(conv, line.rstrip("\n"), json_out)
+    else:
+        from ..repl import run_repl
+
+        run_repl(conv)
+
+
+def _answer(conv, text: str, json_out: bool) -> None:
+    if json_out:
+        for _ in conv.ask(text):
+            pass
+        print(conv.last.as_json(), flush=True)
+        return
+    for piece in conv.ask(text):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    for notice in conv.notices:
+        err_console.print(f"[dim]{notice}[/]")
+    conv.notices.clear()

@@ -1,0 +1,60 @@
+"""`mlcrun chat` as a real process: one-shot, piped, JSON, errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+from mlcrun import LLM, SamplingParams
+from mlcrun.chat import Conversation
+
+
+def run_chat(*args, stdin=None, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "mlcrun", "chat", *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def expected_answers(folder, questions, max_tokens=12):
+    conv = Conversation(LLM(folder), SamplingParams(max_tokens=max_tokens, temperature=0))
+    return ["".join(conv.ask(q)) for q in questions]
+
+
+def test_one_shot_prints_only_the_answer(artifacts):
+    folder = artifacts("llama")
+    result = run_chat(folder, "--prompt", "Hello there", "--temperature", "0", "--max-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected_answers(folder, ["Hello there"])[0] + "\n"
+
+
+def test_piped_lines_are_turns_of_one_conversation(artifacts):
+    folder = artifacts("llama")
+    result = run_chat(folder, "--temperature", "0", "--max-tokens", "12", stdin="one\ntwo\n")
+    assert result.returncode == 0, result.stderr
+    want = expected_answers(folder, ["one", "two"])
+    assert result.stdout == "".join(a + "\n" for a in want)
+
+
+def test_json_mode(artifacts):
+    folder = artifacts("llama")
+    result = run_chat(
+        folder, "--temperature", "0", "--max-tokens", "5", "--json", stdin="first\nsecond\n"
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(rows) == 2
+    assert rows[0]["usage"]["completion_tokens"] == 5 and rows[0]["finish_reason"] == "length"
+    assert rows[1]["usage"]["cached_tokens"] > 0  # the first turn's prompt is reused
+
+
+def test_errors_are_one_line_on_stderr(tmp_path):
+    result = run_chat(tmp_path / "nope", "--prompt", "hi")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == ""
+    bad = run_chat(tmp_path / "nope", "--prompt", "hi", "--temperature", "-1")
+    assert bad.returncode != 0 and "temperature" in bad.stderr
