@@ -46,9 +46,9 @@ ARCHS = {
 }
 
 
-def build_checkpoint(name: str, folder: Path, seed: int = 0) -> Path:
+def build_checkpoint(name: str, folder: Path, seed: int = 0, **overrides) -> Path:
     config_cls, model_cls, extra = ARCHS[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     model.save_pretrained(folder)
