@@ -43,10 +43,11 @@ def is_artifact(path: Path) -> bool:
     return (path / artifact.CONFIG_FILE).exists()
 
 
-def cache_dir(source: str, quantization: str, device: str) -> Path:
+def cache_dir(source: str, quantization: str, device: str, context_window: int | None) -> Path:
     path = Path(source).expanduser()
     ident = str(path.resolve()) if path.exists() else source
-    digest = hashlib.sha256(f"{ident}|{quantization}|{device}|{__version__}".encode())
+    key = f"{ident}|{quantization}|{device}|{context_window}|{__version__}"
+    digest = hashlib.sha256(key.encode())
     if path.is_file():
         stat = path.stat()
         digest.update(f"{stat.st_size}|{stat.st_mtime_ns}".encode())
@@ -70,20 +71,23 @@ def resolve_artifact(
     *,
     quantization: str | None = None,
     device: str = "cpu",
+    context_window: int | None = None,
     progress=None,
 ) -> Path:
     """An artifact folder for `model`, compiling it into the cache when needed."""
     source = str(default_model_path()) if model is None else model
     path = Path(source).expanduser()
     if path.is_dir() and is_artifact(path):
-        return path
+        return path  # already compiled: --quantization/--context-window apply when compiling
     from .compiler.build import compile_model, is_up_to_date
     from .compiler.options import CompileOptions
 
     options = CompileOptions(
-        quantization=quantization or default_quantization(source), device=device
+        quantization=quantization or default_quantization(source),
+        device=device,
+        context_window=context_window,
     )
-    out = cache_dir(source, options.quantization, device)
+    out = cache_dir(source, options.quantization, device, context_window)
     if is_up_to_date(source, out, options):
         return out
     return compile_model(source, out, options, force=True, progress=progress)

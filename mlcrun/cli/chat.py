@@ -30,6 +30,9 @@ def chat_command(
     seed: int = typer.Option(None, "--seed"),
     max_tokens: int = typer.Option(512, "--max-tokens"),
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    context_window: int = typer.Option(
+        None, "--context-window", help="Max tokens per conversation when compiling MODEL."
+    ),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per answer."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
@@ -55,7 +58,11 @@ def chat_command(
     )
     with RichProgress() as progress:
         folder = resolve_artifact(
-            model, quantization=quantization, device=device, progress=progress
+            model,
+            quantization=quantization,
+            device=device,
+            context_window=context_window,
+            progress=progress,
         )
     llm = LLM(folder, engine_config=EngineConfig(mode="interactive"))
     conv = Conversation(llm, params, system=system)
