@@ -73,6 +73,19 @@ class LLM:
                 outputs.setdefault(out.request_id, []).append(out)
         return [o for rid in order for o in sorted(outputs[rid], key=lambda o: o.index)]
 
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of {"role", "content"} messages) or several, with
+        the model's chat template; returns one output per conversation (and choice)."""
+        if self.tokenizer is None:
+            raise MlcrunError("messages: this artifact has no tokenizer; chat needs one")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
     def stream(
         self,
         prompts: Prompt | Sequence[Prompt],

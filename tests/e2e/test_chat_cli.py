@@ -89,3 +89,13 @@ def test_hf_folder_is_compiled_once_into_mlcrun_home(checkpoints, tmp_path):
     )
     assert second.returncode == 0, second.stderr
     assert (artifact / "mlcrun-config.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
+
+
+def test_llm_chat_uses_the_template(artifacts):
+    llm = LLM(artifacts("llama"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    (out,) = llm.chat(messages, params)
+    assert out.prompt_token_ids == llm.tokenizer.apply_chat_template(messages)
+    assert out.token_ids == llm.generate([out.prompt_token_ids], params)[0].token_ids
+    assert len(llm.chat([messages, messages[1:]], params)) == 2
