@@ -7,6 +7,7 @@ import typer
 from .. import __version__
 from .chat import chat_command
 from .compile import compile_command
+from .serve import serve_command
 
 app = typer.Typer(
     name="mlcrun",
@@ -17,6 +18,7 @@ app = typer.Typer(
 )
 app.command("compile")(compile_command)
 app.command("chat")(chat_command)
+app.command("serve")(serve_command)
 
 
 def _version(value: bool) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 
 from ..errors import MlcrunError
-from .engine import Engine
-from .request import RequestOutput
+from .engine import Engine, EngineStats
+from .request import RequestOutput, TokenConstraint
 from .types import SamplingParams
 
 
@@ -30,14 +31,18 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, request_id: str
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        constraint: Callable[[], TokenConstraint] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they are produced (all `n` choices interleaved)."""
         if self._stopped:
             raise MlcrunError("the engine is shut down")
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            self.engine.add_request(request_id, prompt, params)  # raises on bad input
+            self.engine.add_request(request_id, prompt, params, constraint)  # raises on bad input
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
         self._wake.set()
         remaining = params.n
@@ -61,9 +66,22 @@ class AsyncEngine:
         for out in outputs:
             self._deliver(out)
 
-    def stats(self):
+    async def abort_all(self) -> None:
+        """Abort every request in flight; the engine keeps serving new ones."""
         with self._lock:
-            return self.engine.stats
+            outputs = [out for rid in list(self.engine.requests) for out in self.engine.abort(rid)]
+        for out in outputs:
+            self._deliver(out)
+
+    def reset_prefix_cache(self) -> int:
+        with self._lock:
+            return self.engine.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        """A snapshot, safe to read while the engine keeps stepping."""
+        with self._lock:
+            s = self.engine.stats
+            return replace(s, step_sizes=dict(s.step_sizes))
 
     def shutdown(self) -> None:
         """Abort what is in flight and stop the thread."""

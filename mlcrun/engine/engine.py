@@ -16,7 +16,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import MlcrunError
 from .config import EngineConfig
 from .prefix_cache import PrefixTree, RetainedSequences
-from .request import RUNNING, WAITING, Request, RequestOutput
+from .request import RUNNING, WAITING, Request, RequestOutput, TokenConstraint
 from .sampler import sample_batch
 from .types import SamplingParams
 
@@ -64,6 +64,7 @@ class EngineStats:
     cached_sequences: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    step_sizes: dict[int, int] = field(default_factory=dict)  # sequences in a step -> steps
 
 
 class Engine:
@@ -100,7 +101,13 @@ class Engine:
         self.stats = EngineStats(total_pages=runner.get_num_available_pages())
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        constraint: Callable[[], TokenConstraint] | None = None,  # one per choice: a grammar
+    ) -> None:
         if request_id in self.requests:
             raise MlcrunError(f"request_id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt]
@@ -117,9 +124,10 @@ class Engine:
         for index in range(params.n):
             p = params
             if index and params.seed is not None:
-                p = _with_seed(params, params.seed + index)
+                p = replace(params, seed=params.seed + index)
             decoder = self.decoder_factory(prompt) if self.decoder_factory else None
             req = Request(request_id, prompt, p, index=index, decoder=decoder)
+            req.constraint = constraint() if constraint is not None else None
             if index:
                 req.fork_from = group[0]
             group.append(req)
@@ -138,7 +146,16 @@ class Engine:
             self._release(req, keep=False)
             outputs.append(req.take_output())
         self.requests.pop(request_id, None)
+        self._update_stats()
         return outputs
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every finished sequence kept for prefix reuse; returns how many."""
+        count = len(self.retained)
+        for _ in range(count):
+            self._evict_oldest()
+        self._update_stats()
+        return count
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -157,7 +174,9 @@ class Engine:
             self._prefill(prefill)
             touched += [r for r, _ in prefill]
         outputs = []
-        for req in dict.fromkeys(touched):  # keep order, drop duplicates
+        touched = list(dict.fromkeys(touched))  # keep order, drop duplicates
+        self.stats.step_sizes[len(touched)] = self.stats.step_sizes.get(len(touched), 0) + 1
+        for req in touched:
             if req.finished or req.output:
                 out = req.take_output()
                 if out.delta_token_ids or out.delta_text or out.finished:
@@ -245,6 +264,8 @@ class Engine:
             if budget == 0:
                 break
             if req.pending > 1 or req.num_computed == 0:
+                while self._fit(req, free()) < min(req.pending, budget) and len(self.retained):
+                    self._evict_oldest()  # the prefix cache yields to prompts under way
                 take = min(req.pending, budget, self._fit(req, free()))
                 if take:
                     plan.append((req, take))
@@ -344,24 +365,24 @@ class Engine:
         )
         for req, res in zip(batch, results):
             req.append(res.token, res.top_logprobs)
+            done = req.constraint is not None and req.constraint.accept(res.token)  # complete
             if not req.finished:
-                reason = self._finish_reason(req, res.token)
+                reason = self._finish_reason(req, res.token) or ("stop" if done else None)
                 if reason:
                     req.finish(reason)
 
     def _allowed(self, batch: list[Request]) -> list[np.ndarray | None] | None:
-        """min_tokens: stop tokens are masked until that many tokens were generated."""
-        masks = []
+        """Masks per row: the request's grammar, and min_tokens (stop tokens masked until then)."""
+        masks: list[np.ndarray | None] = []
+        vocab = self.runner.vocab_size
         for req in batch:
+            mask = None if req.constraint is None else np.asarray(req.constraint.allowed(vocab))
             if len(req.output) < req.params.min_tokens:
-                mask = np.ones(self.runner.vocab_size, dtype=bool)
-                stops = [
-                    t for t in (*self.eos_token_ids, *req.params.stop_token_ids) if t < mask.size
-                ]
-                mask[stops] = False
-                masks.append(mask)
-            else:
-                masks.append(None)
+                stops = [t for t in (*self.eos_token_ids, *req.params.stop_token_ids) if t < vocab]
+                keep = np.ones(vocab, dtype=bool) if mask is None else mask.copy()
+                keep[stops] = False
+                mask = keep if keep.any() else mask  # the grammar wins if only a stop may follow
+            masks.append(mask)
         return masks if any(m is not None for m in masks) else None
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
@@ -376,9 +397,3 @@ class Engine:
         s = self.stats
         s.running, s.waiting = len(self.running), len(self.waiting)
         s.free_pages, s.cached_sequences = self._free_pages(), len(self.retained)
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, seed=seed)

@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from .sampler import SamplerState
 from .types import SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+class TokenConstraint(Protocol):
+    """Per-choice state of a constrained request (e.g. a JSON-schema grammar)."""
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        """Bool mask [vocab_size] of the tokens that may come next; never all False."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance past a sampled token; True when the constraint is complete."""
+        ...
 
 
 @dataclass
@@ -94,6 +108,7 @@ class Request:
         self.num_computed = 0  # tokens whose K/V is in the cache
         self.order = 0  # admission order; the newest running request is preempted first
         self.fork_from: Request | None = None  # n > 1: siblings fork this request's prompt
+        self.constraint: TokenConstraint | None = None  # masks the sampler when set
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(self.prompt))
         # text

@@ -1,0 +1,120 @@
+"""`mlcrun serve [MODEL]`: an OpenAI-compatible server (see docs/serve.md)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import typer
+
+from ..errors import MlcrunError
+from .common import RichProgress, err_console, handle_errors, setup_logging
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)i?[bB]?\s*$")
+
+
+def parse_kv_memory(text: str | None) -> float | None:
+    """ "0.25" (a fraction of RAM), "2G", "512MiB", or a plain number of bytes."""
+    if text is None:
+        return None
+    match = _SIZE.match(text)
+    if not match:
+        raise MlcrunError(f"--kv-memory: expected e.g. 0.25, 512M or 2G, got {text!r}")
+    value, unit = float(match.group(1)), match.group(2).upper()
+    value *= 1024 ** " KMGT".index(unit or " ")
+    if value <= 0:
+        raise MlcrunError(f"--kv-memory must be positive, got {text!r}")
+    return value
+
+
+@handle_errors
+def serve_command(
+    model: str = typer.Argument(
+        None, help="Artifact, HF folder, hub id, GGUF file; default: SmolLM2-135M-Instruct."
+    ),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback default)."),
+    port: int = typer.Option(8000, "--port", help="Port (0: any free port)."),
+    api_key: str = typer.Option(
+        None, "--api-key", envvar="MLCRUN_API_KEY", help="Require `Authorization: Bearer KEY`."
+    ),
+    served_model_name: str = typer.Option(
+        None, "--served-model-name", help="The model id clients use (default: from MODEL)."
+    ),
+    mode: str = typer.Option("server", "--mode", help="Engine preset: server, local, interactive."),
+    max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Sequences run together."),
+    kv_memory: str = typer.Option(
+        None, "--kv-memory", help="KV cache budget: bytes (2G, 512M) or a fraction of RAM (0.25)."
+    ),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache"),
+    max_queue: int = typer.Option(
+        256, "--max-queue", help="Sequences queued beyond the batch before 429."
+    ),
+    max_request_bytes: int = typer.Option(
+        4 * 2**20, "--max-request-bytes", help="Larger request bodies get 413."
+    ),
+    shutdown_timeout: float = typer.Option(
+        10.0, "--shutdown-timeout", help="Seconds requests in flight get to finish on SIGTERM."
+    ),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    quantization: str = typer.Option(None, "--quantization", "-q", help="Preset when compiling."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for the model."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Serve a model over the OpenAI API (completions, chat, streaming, structured output)."""
+    setup_logging(verbose)
+    _access_log()
+    from ..default_model import DEFAULT_NAME, resolve_artifact
+    from ..engine.config import EngineConfig
+
+    if max_queue < 0 or max_request_bytes <= 0 or shutdown_timeout < 0:
+        raise MlcrunError("--max-queue, --max-request-bytes and --shutdown-timeout: must be >= 0")
+    config = EngineConfig(
+        mode=mode,
+        max_num_sequence=max_num_seqs,
+        kv_memory=parse_kv_memory(kv_memory),
+        prefix_cache=prefix_cache,
+    )
+    with RichProgress() as progress:
+        folder = resolve_artifact(
+            model, quantization=quantization, device=device, progress=progress
+        )
+    from ..llm import LLM
+    from ..serve.server import run_server
+    from ..serve.service import ServeOptions
+
+    name = served_model_name or (DEFAULT_NAME if model is None else _name(model))
+    llm = LLM(folder, engine_config=config, num_threads=threads)
+    options = ServeOptions(
+        model_name=name,
+        api_key=api_key,
+        max_queue=max_queue,
+        max_request_bytes=max_request_bytes,
+        shutdown_timeout=shutdown_timeout,
+    )
+
+    def ready(bound_host: str, bound_port: int) -> None:
+        err_console.print(
+            f"mlcrun serve: listening on http://{bound_host}:{bound_port} (model {name!r})",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    run_server(llm, options, host=host, port=port, on_ready=ready)
+
+
+def _access_log() -> None:
+    """One plain line per request on stderr (rich would wrap it)."""
+    import logging
+    import sys
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access = logging.getLogger("mlcrun.serve.access")
+    access.handlers[:] = [handler]
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
+def _name(model: str) -> str:
+    path = Path(model).expanduser()
+    return path.name if path.exists() else model

@@ -1,0 +1,225 @@
+"""The OpenAI request schema (pydantic, only here at the HTTP edge) and its conversion to
+engine types. Types are checked by pydantic; values by SamplingParams, whose errors name the
+field. Unknown request fields are ignored, as most OpenAI-compatible servers do, except the
+ones whose silent omission would change the meaning of a request (tools, suffix, best_of)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.types import SamplingParams
+from ..errors import MlcrunError
+
+MAX_N = 128
+MAX_COMPLETION_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None):
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+_FIELD = re.compile(r"^(?:unknown sampling parameter\(s\): )?([a-z_]+)")
+
+
+def bad_value(err: MlcrunError) -> APIError:
+    """A 400 for an engine validation error; its message starts with the field's name."""
+    match = _FIELD.match(str(err))
+    return APIError(400, str(err), param=match.group(1) if match else None)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Model):
+    name: str = "schema"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Sampling(_Model):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        given = {
+            name: getattr(self, name)
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "seed",
+                "frequency_penalty",
+                "presence_penalty",
+                "repetition_penalty",
+            )
+            if getattr(self, name) is not None
+        }
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                n=self.n,
+                stop=tuple(stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                logit_bias=self.logit_bias or {},
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+                **given,
+            )
+        except MlcrunError as err:
+            raise bad_value(err) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check(self) -> None:
+        if self.suffix:
+            raise APIError(400, "suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError(
+                400, "echo with logprobs is not supported (no prompt logprobs)", param="echo"
+            )
+
+
+class TextPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+
+    def check(self) -> None:
+        if self.tools or self.functions:
+            raise APIError(400, "tools and functions are not supported", param="tools")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        """The messages as {"role", "content"} strings, as chat templates expect them."""
+        out = []
+        for i, m in enumerate(self.messages):
+            role = "system" if m.role == "developer" else m.role
+            if role not in ("system", "user", "assistant"):
+                raise APIError(
+                    400,
+                    f"messages[{i}].role: {m.role!r} is not one of system, user, assistant",
+                    param=f"messages[{i}].role",
+                )
+            content = m.content
+            if content is None:
+                raise APIError(
+                    400, f"messages[{i}].content is required", param=f"messages[{i}].content"
+                )
+            if not isinstance(content, str):
+                bad = [p.type for p in content if p.type != "text" or p.text is None]
+                if bad:
+                    raise APIError(
+                        400,
+                        f"messages[{i}].content: only text parts are supported, got {bad[0]!r}",
+                        param=f"messages[{i}].content",
+                    )
+                content = "\n".join(p.text or "" for p in content)
+            out.append({"role": role, "content": content})
+        return out
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
