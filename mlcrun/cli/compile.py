@@ -1,4 +1,4 @@
-"""`mlcrun compile MODEL -o OUT`."""
+"""`mlcrun compile MODEL -o OUT` and `mlcrun compile --list-quantizations`."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from .common import RichProgress, err_console, handle_errors, setup_logging
 @handle_errors
 def compile_command(
     model: str = typer.Argument(
-        ..., help="HF checkpoint folder, or a hub id in the local HF cache."
+        None, help="HF checkpoint folder, or a hub id in the local HF cache."
     ),
-    output: Path = typer.Option(..., "--output", "-o", help="Artifact folder to write."),
-    quantization: str = typer.Option("q0f32", "--quantization", "-q", help="Weight format."),
+    output: Path = typer.Option(None, "--output", "-o", help="Artifact folder to write."),
+    quantization: str = typer.Option(
+        "q0f32", "--quantization", "-q", help="Weight format (see --list-quantizations)."
+    ),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     context_window: int = typer.Option(
         None,
@@ -27,9 +29,21 @@ def compile_command(
     page_size: int = typer.Option(16, "--page-size", help="Tokens per KV-cache page."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT if it exists."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log each phase."),
+    list_quantizations: bool = typer.Option(
+        False, "--list-quantizations", help="Print the quantization presets and exit."
+    ),
 ) -> None:
     """Compile a checkpoint into an artifact folder: params, tokenizer and a TVM library."""
     setup_logging(verbose)
+    if list_quantizations:
+        from ..quant import PRESETS
+
+        for p in PRESETS.values():
+            typer.echo(f"{p.name:<8} {p.bits_per_weight:5.2f} bits/weight  {p.description}")
+        return
+    if model is None or output is None:
+        err_console.print("error: MODEL and --output/-o are required", highlight=False)
+        raise typer.Exit(2)  # a usage error, as click reports a missing argument
     from ..compiler.build import compile_model, is_up_to_date
     from ..compiler.options import CompileOptions
 

@@ -17,9 +17,10 @@ from .. import __version__, abi, artifact
 from ..errors import MlcrunError
 from ..models import registry
 from ..models.config import ModelConfig
+from ..quant import get_preset
+from ..quant.modules import float_param_name, weight_transform
+from ..weights.checkpoint import open_checkpoint
 from ..weights.mapping import WeightMap
-from ..weights.resolve import resolve_checkpoint
-from ..weights.safetensors_source import SafetensorsSource
 from .export import attach_metadata, export_model
 from .options import DEFAULT_CONTEXT_CAP, CompileOptions
 from .progress import NullProgress, Progress
@@ -51,11 +52,12 @@ def compile_model(
     """Compile `model` (a folder or cached hub id) into the artifact folder `out`."""
     progress = progress or NullProgress()
     out = Path(out)
-    folder = resolve_checkpoint(model)
+    checkpoint = open_checkpoint(model)
+    folder = checkpoint.folder
     hf_config = _read_json(folder / "config.json")
     cfg = registry.model_config(hf_config)
     wmap = registry.lookup(hf_config).weight_map(cfg)
-    fingerprint = _fingerprint(folder, options)
+    fingerprint = _fingerprint(checkpoint.fingerprint_files, options)
     if out.exists():
         if _up_to_date(out, fingerprint) and not force:
             log.info("%s is up to date", out)
@@ -64,16 +66,16 @@ def compile_model(
             raise MlcrunError(f"{out} already exists; pass --force to overwrite it")
     context_window = _context_window(cfg, options)
     target = resolve_target(options.device)
-    source = SafetensorsSource(folder)
+    source = checkpoint.open_source()
     progress.phase("Exporting model")
-    mod, params = export_model(cfg, target)
-    wmap.check(source, [name for name, _, _ in params])
+    mod, params = export_model(cfg, target, options.quantization)
+    wmap.check(source, _float_param_names(params))
     progress.done()
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        files = _write_params(tmp, source, wmap, params, progress)
+        files = _write_params(tmp, source, wmap, params, options.quantization, progress)
         art = artifact.Artifact(
             model=cfg.to_dict(),
             quantization=options.quantization,
@@ -115,12 +117,20 @@ def _build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path) -> 
     executable.export_library(str(path))
 
 
-def _write_params(tmp: Path, source: SafetensorsSource, wmap: WeightMap, params, progress):
+def _float_param_names(params) -> list[str]:
+    """The weight map's (float) param names behind the exported, possibly quantized, params."""
+    return list(dict.fromkeys(float_param_name(name) for name, _, _ in params))
+
+
+def _write_params(tmp: Path, source, wmap: WeightMap, params, quantization: str, progress):
+    """Convert each float param with the weight map, then the preset's weight transform, and
+    write the results (checked against the exported params' names, shapes and dtypes)."""
+    preset = get_preset(quantization)
     expected = {name: (shape, dtype) for name, shape, dtype in params}
     params_dir = tmp / artifact.PARAMS_DIR
     params_dir.mkdir()
-    progress.phase("Converting weights", total=len(params))
-    files, shard, shard_bytes = [], {}, 0
+    progress.phase("Converting weights", total=len(_float_param_names(params)))
+    files, shard, shard_bytes, written = [], {}, 0, set()
 
     def flush():
         nonlocal shard, shard_bytes
@@ -129,19 +139,27 @@ def _write_params(tmp: Path, source: SafetensorsSource, wmap: WeightMap, params,
         files.append(path)
         shard, shard_bytes = {}, 0
 
-    for name, array in wmap.convert(source):
-        shape, dtype = expected[name]
-        if tuple(array.shape) != shape:
-            raise MlcrunError(
-                f"param {name!r}: converted shape {list(array.shape)} != {list(shape)}"
-            )
-        shard[name] = np.ascontiguousarray(array.astype(dtype, copy=False))
-        shard_bytes += shard[name].nbytes
+    for float_name, float_array in wmap.convert(source):
+        for name, array in weight_transform(preset, float_name, float_array).items():
+            if name not in expected:
+                raise MlcrunError(f"{quantization}: param {name!r} is not one of the model's")
+            shape, dtype = expected[name]
+            if tuple(array.shape) != shape or str(array.dtype) != dtype:
+                raise MlcrunError(
+                    f"param {name!r}: converted {list(array.shape)} {array.dtype} != "
+                    f"{list(shape)} {dtype}"
+                )
+            shard[name] = np.ascontiguousarray(array)
+            shard_bytes += shard[name].nbytes
+            written.add(name)
         progress.advance()
         if shard_bytes >= SHARD_BYTES:
             flush()
     if shard:
         flush()
+    missing = [name for name in expected if name not in written]
+    if missing:
+        raise MlcrunError(f"{quantization}: no weight produces param {missing[0]!r}")
     progress.done()
     return files
 
@@ -166,7 +184,7 @@ def _read_json(path: Path) -> dict:
         raise MlcrunError(f"{path}: not valid JSON ({err})") from None
 
 
-def _fingerprint(folder: Path, options: CompileOptions) -> str:
+def _fingerprint(files: tuple[Path, ...], options: CompileOptions) -> str:
     """Same inputs, same options, same compiler code -> same fingerprint (a no-op compile)."""
     digest = hashlib.sha256(f"{__version__}|{tvm.__version__}|{options}".encode())
     digest.update(str(resolve_target(options.device)).encode())
@@ -174,10 +192,9 @@ def _fingerprint(folder: Path, options: CompileOptions) -> str:
     for sub in ("compiler", "models", "weights", "quant"):
         for source in sorted((package / sub).rglob("*.py")):
             digest.update(source.read_bytes())
-    for file in sorted(folder.iterdir()):
-        if file.is_file():
-            stat = file.stat()
-            digest.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     return digest.hexdigest()
 
 
@@ -186,7 +203,8 @@ def is_up_to_date(model: str, out: Path, options: CompileOptions) -> bool:
     if not Path(out).exists():
         return False
     try:
-        return _up_to_date(Path(out), _fingerprint(resolve_checkpoint(model), options))
+        files = open_checkpoint(model).fingerprint_files
+        return _up_to_date(Path(out), _fingerprint(files, options))
     except MlcrunError:
         return False
 

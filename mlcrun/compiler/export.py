@@ -11,15 +11,19 @@ from tvm import relax
 from .. import abi
 from ..models.common import DecoderLM
 from ..models.config import ModelConfig
+from ..quant import get_preset
+from ..quant.modules import quantize_model
 from .workarounds import fix_tree_attn_order
 
 
 def export_model(
-    cfg: ModelConfig, target: tvm.target.Target
+    cfg: ModelConfig, target: tvm.target.Target, quantization: str = "q0f32"
 ) -> tuple[tvm.IRModule, list[tuple[str, tuple[int, ...], str]]]:
-    """The IRModule and its params as (name, shape, dtype), in the order functions take them."""
+    """The IRModule and its params as (name, shape, dtype), in the order functions take them.
+    With a quantization preset, Linear/Embedding layers are rewritten first (quant/modules.py),
+    so the params are the quantized ones (e.g. `X.q_weight`, `X.q_scale` for `X.weight`)."""
     with target:
-        model = DecoderLM(cfg)
+        model = quantize_model(DecoderLM(cfg), get_preset(quantization))
         mod, params = model.export_tvm(spec=model.get_default_spec())
     mod = fix_tree_attn_order(mod)
     infos = [(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in params]

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import MlcrunError
+from ..quant import PRESETS
 
-QUANTIZATIONS = ("q0f32",)
+QUANTIZATIONS = tuple(PRESETS)
 DEVICES = ("cpu", "cuda")
 
 

@@ -21,6 +21,7 @@ from tvm import relax, tirx
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 from tvm.target import Target
 
+from ..quant.modules import SCHEDULABLE_ATTR
 from .schedules.cpu import SCHEDULED_ATTR, ApplyCPUSchedules, is_scheduled
 
 
@@ -91,10 +92,13 @@ def _gpu_schedules() -> tvm.transform.Pass:
 @tvm.transform.module_pass(opt_level=0, name="mlcrun.KeepExportedKernels")
 def keep_exported_kernels(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
     """Mark every PrimFunc already in the module (the paged KV cache's attention, copy and
-    RoPE kernels, some without the attribute) as scheduled, so no CPU rule touches them."""
+    RoPE kernels, some without the attribute) as scheduled, so no CPU rule touches them --
+    except the quantized layers' TE kernels, which carry SCHEDULABLE_ATTR."""
     mod = mod.clone()  # never edit the caller's module in place
     for gvar, func in list(mod.functions_items()):
-        if isinstance(func, tirx.PrimFunc) and not is_scheduled(func):
+        if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
+            continue
+        if not (func.attrs is not None and func.attrs.get(SCHEDULABLE_ATTR, False)):
             mod[gvar] = func.with_attr(SCHEDULED_ATTR, True)
     return mod
 

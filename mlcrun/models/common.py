@@ -89,14 +89,21 @@ class DecoderLM(nn.Module):
 
     def _logits(self, hidden: Tensor) -> Tensor:
         if self.cfg.tie_word_embeddings:
-            logits = op.matmul(hidden, op.permute_dims(self.model.embed_tokens.weight))
+            emb = self.model.embed_tokens
+            if hasattr(emb, "lm_head_forward"):  # a quantized table (quant/modules.py)
+                logits = emb.lm_head_forward(hidden)
+            else:
+                logits = op.matmul(hidden, op.permute_dims(emb.weight))
         else:
             logits = self.lm_head(hidden)
         return logits.astype("float32") if logits.dtype != "float32" else logits
 
     def embed(self, input_ids: Tensor) -> Tensor:
         # [num_tokens] -> [num_tokens, hidden]
-        return take(self.model.embed_tokens.weight, input_ids, axis=0)
+        emb = self.model.embed_tokens
+        if hasattr(emb, "lookup"):  # a quantized table: rows dequantized on the fly
+            return emb.lookup(input_ids)
+        return take(emb.weight, input_ids, axis=0)
 
     def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, kv: PagedKVCache):
         # input_embeds [1, total_tokens, hidden]; logit_positions [batch]: one row per sequence

@@ -19,6 +19,14 @@ prefill:
   for L2 times row tiles run in parallel. ~1.3x numpy/OpenBLAS sgemm at M=512.
 
 With a symbolic M both variants are built and joined under a TIR `if M < GEMM_MIN_ROWS`.
+
+Quantized weights (quant/modules.py): the function's first block dequantizes the packed
+params into W [N, K], the matmul reads W. The GEMV inlines that block into its loads, so the
+codes are unpacked in registers (4-bit: one 8-byte load, a permute, a variable shift and a mask
+give 16 lanes; LLVM finds that from the `k // 8` index) and no float W ever exists. The GEMM
+instead computes the dequantize per parallel chunk of W rows into an L2-sized [nb, K] buffer
+that all row tiles of A then reuse; tasks are whole chunks (not chunk x row tile pairs), so
+each chunk is dequantized exactly once per call.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ GEMM_MR = 3
 GEMM_MIN_ROWS = 8  # the GEMM variant wins from ~7 rows (measured on 3072x576 weights)
 L2_BLOCK_BYTES = 128 * 1024  # W rows per parallel chunk of the GEMM stay within this (L2: 1 MiB)
 GEMV_MIN_CHUNKS = 32  # parallel chunks for the GEMV: the pool splits a loop statically
+QUANT_GROUP = 32  # elements per scale of the quantized formats (quant/presets.py)
 
 
 @dataclass(frozen=True)
@@ -160,10 +169,30 @@ def tile_config(info: MatmulInfo, vector_bits: int, gemm: bool) -> TileConfig:
     return TileConfig(mr=1, nr=nr, lanes=lanes, nb=nr * max(divisors, default=1))
 
 
-def _inline_producers(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> None:
+def _weight_producer(
+    sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV
+) -> s_tir.schedule.SBlockRV | None:
+    """The block computing the matmul's W operand in this function (a dequantize), if any."""
+    w_buf = sch.get(block).reads[1].source
+    for producer in sch.get_producers(block):
+        if any(w.source.same_as(w_buf) for w in sch.get(producer).writes):
+            return producer
+    return None
+
+
+def _group_steps(k: int, cfg: TileConfig) -> int:
+    """K vector steps per quantization group (QUANT_GROUP elements), 1 if they do not tile K."""
+    steps = QUANT_GROUP // cfg.lanes if QUANT_GROUP % cfg.lanes == 0 else 1
+    return steps if (k // cfg.lanes) % steps == 0 else 1
+
+
+def _inline_producers(
+    sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, keep: s_tir.schedule.SBlockRV | None
+) -> None:
     """Inline elementwise producers (casts, dequantize) into the matmul's operand reads."""
     for producer in sch.get_producers(block):
-        sch.compute_inline(producer)
+        if keep is None or not sch.get(producer).same_as(sch.get(keep)):
+            sch.compute_inline(producer)
 
 
 def _consumers_in_order(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> list:
@@ -195,7 +224,12 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     """Apply one tile variant (see module doc); raises on any pattern it cannot handle."""
     sch = s_tir.Schedule(func)
     block = _main_block(sch)
-    _inline_producers(sch, block)
+    # A dequantized W: the GEMV unpacks it inside its loads (inlined), the GEMM dequantizes
+    # each chunk of W rows once (compute_at below).
+    deq = _weight_producer(sch, block)
+    quant_gemv = deq is not None and cfg.mr == 1
+    deq = None if quant_gemv else deq
+    _inline_producers(sch, block, keep=deq)
     sch.transform_block_layout(block, info.index_map)
     rows_static = isinstance(info.rows, tirx.IntImm)
     if cfg.mr > 1 and not (rows_static and info.rows.value % cfg.mr == 0):
@@ -226,7 +260,15 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     # (Blocking K as well would need the accumulators spilled between K blocks, and LLVM does
     # not promote them back to registers: measured 40% slower at K=576, so K stays whole.)
     tile = [no, mo, nm] if cfg.mr > 1 else [no, nm, mo]
-    sch.reorder(*tile, ko, mi, ni, ki)
+    k_unroll = _group_steps(info.k, cfg) if quant_gemv else 1
+    if k_unroll > 1:
+        # All K steps of a quantization group in one body, so LLVM loads (and, for fp16,
+        # converts) its scale and min once per group rather than once per vector.
+        ko, kg = sch.split(ko, [None, k_unroll])
+        sch.reorder(*tile, ko, kg, mi, ni, ki)
+        sch.unroll(kg)
+    else:
+        sch.reorder(*tile, ko, mi, ni, ki)
     # Horizontal sum and epilogue right after the accumulation, while the data is hot.
     sch.reverse_compute_at(block, tile[-1])
     lane, *outputs = sch.get_loops(block)[len(tile) :]  # [lane, rows?, cols]
@@ -235,9 +277,17 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     for loop in outputs:
         sch.unroll(loop)
     _epilogue_in_tile(sch, consumers, tile[-1], len(tile))
-    # GEMM: (chunk, row tile) pairs in parallel; each thread gets a contiguous range, so it
-    # keeps one W chunk in its L2 across consecutive row tiles.
-    sch.parallel(sch.fuse(no, mo) if cfg.mr > 1 else no)
+    if deq is not None:
+        # One task per W chunk: dequantize its rows into a [nb, K] buffer (L2-sized), then
+        # every row tile of A passes over it.
+        sch.compute_at(deq, no)
+        *_, dk = sch.get_loops(deq)
+        sch.vectorize(sch.split(dk, [None, cfg.lanes])[1])
+        sch.parallel(no)
+    else:
+        # GEMM: (chunk, row tile) pairs in parallel; each thread gets a contiguous range, so
+        # it keeps one W chunk in its L2 across consecutive row tiles.
+        sch.parallel(sch.fuse(no, mo) if cfg.mr > 1 else no)
     sch.vectorize(ki)
     sch.unroll(mi)
     sch.unroll(ni)

@@ -1,0 +1,9 @@
+"""Quantization presets: a module rewrite plus a weight transform keyed by the same param names.
+
+Never imports mlcrun.models: the rewrite works on any tvm `nn.Module` made of nn.Linear and
+nn.Embedding layers (DESIGN 3.5).
+"""
+
+from .presets import GROUP_SIZE, PRESETS, QuantPreset, get_preset
+
+__all__ = ["GROUP_SIZE", "PRESETS", "QuantPreset", "get_preset"]

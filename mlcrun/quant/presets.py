@@ -1,0 +1,79 @@
+"""Quantization presets: what `--quantization NAME` means for weight storage.
+
+A preset is data only; quant/modules.py (the module rewrite) and quant/transform.py (the
+weight transform) read it, keyed by the same param names (DESIGN 3.5). Every preset computes
+in float32: weights are dequantized on the fly inside the matmul kernels (see
+compiler/schedules/matmul.py).
+
+Formats (K: a Linear's input features / the embedding dim, groups of 32 along K):
+
+* q0f32: float32 weights, unchanged.
+* q0f16: float16 storage of every 2-D weight; norms and biases stay float32.
+* q4f32_1 / q4f16_1: 4-bit unsigned codes, 8 per uint32 (code j of word i is element
+  8*i + j, bits 4j..4j+3), and a scale and a min per group of 32 in fp32 / fp16:
+  w = q * scale + min. This asymmetric form holds GGUF Q4_0 (scale = d, min = -8 * d) and
+  Q4_1 (scale = d, min = m) exactly in both variants, and MLC-LLM's symmetric q4
+  (min = -7 * scale) exactly in q4f32_1 (-7 * scale needs more mantissa than fp16 has). The
+  min/max quantizer (numpy_ref) lands on those exact values only for groups that use the
+  full code range 0..15; repacking such blocks directly would keep every group exact.
+* q8f32: int8 codes with one fp32 scale per group of 32: w = q * scale (symmetric, GGUF Q8_0).
+
+Every preset but q0f32 stores the embedding table and the lm_head (tied or not) in its format
+too: in a 135M model with a 49k vocabulary they are a fifth of the weights read per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import MlcrunError
+
+GROUP_SIZE = 32
+
+
+@dataclass(frozen=True)
+class QuantPreset:
+    name: str
+    kind: str  # "none" | "f16" | "q4" | "q8"
+    scale_dtype: str | None  # storage dtype of q4/q8 scales (and q4 mins)
+    description: str
+    group_size: int = GROUP_SIZE
+
+    @property
+    def quantizes_embedding(self) -> bool:
+        """The embedding table (and so a tied lm_head) and an untied lm_head use the same
+        format as every other 2-D weight: true for every preset but q0f32."""
+        return self.kind != "none"
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Storage bits per weight element, scales and mins included."""
+        if self.kind == "none":
+            return 32.0
+        if self.kind == "f16":
+            return 16.0
+        scale_bits = 32 if self.scale_dtype == "float32" else 16
+        if self.kind == "q4":
+            return 4 + 2 * scale_bits / self.group_size
+        return 8 + scale_bits / self.group_size
+
+
+PRESETS: dict[str, QuantPreset] = {
+    p.name: p
+    for p in (
+        QuantPreset("q0f32", "none", None, "float32 weights (no quantization)"),
+        QuantPreset("q0f16", "f16", None, "float16 weights, float32 compute"),
+        QuantPreset("q4f32_1", "q4", "float32", "4-bit, group 32, float32 scale + min per group"),
+        QuantPreset("q4f16_1", "q4", "float16", "4-bit, group 32, float16 scale + min per group"),
+        QuantPreset("q8f32", "q8", "float32", "8-bit, group 32, float32 scale per group"),
+    )
+}
+
+
+def get_preset(name: str) -> QuantPreset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise MlcrunError(
+            f"unknown quantization {name!r}; choose from: {', '.join(PRESETS)}"
+        ) from None

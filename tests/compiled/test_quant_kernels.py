@@ -1,0 +1,144 @@
+"""Quantized Linear / Embedding kernels through the real pipeline, against numpy.
+
+A QuantLinear is one TE op (dequantize + NT matmul); after FuseOps/FuseTIR it must be one
+PrimFunc together with its epilogue, and the schedule must inline the dequantize into the
+GEMV (decode reads the packed weights, never a float matrix) and dequantize once per chunk of
+W rows in the GEMM (prefill).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from tvm import relax, tirx  # noqa: E402
+from tvm.relax.frontend import nn  # noqa: E402
+
+from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
+from mlcrun.compiler.schedules.matmul import GEMM_MIN_ROWS  # noqa: E402
+from mlcrun.compiler.target import cpu_target  # noqa: E402
+from mlcrun.quant import get_preset  # noqa: E402
+from mlcrun.quant.modules import QuantEmbedding, quantize_model  # noqa: E402
+from mlcrun.quant.transform import dequantize_params, weight_transform  # noqa: E402
+
+RNG = np.random.default_rng(0)
+PRESETS = ("q0f16", "q8f32", "q4f32_1", "q4f16_1")
+ROWS = (1, 3, 17, 64)  # GEMV for M < GEMM_MIN_ROWS, padded GEMM above
+
+
+class _Block(nn.Module):
+    """y = r + proj(x) (bias, residual epilogue), and an embedding [vocab, k] that also
+    serves as a tied lm_head."""
+
+    def __init__(self, n: int, k: int, vocab: int) -> None:
+        self.proj = nn.Linear(k, n, bias=True)
+        self.embed = nn.Embedding(vocab, k)
+
+    def forward(self, x: nn.Tensor, r: nn.Tensor) -> nn.Tensor:
+        return r + self.proj(x)
+
+    def head(self, h: nn.Tensor) -> nn.Tensor:
+        return self.embed.lm_head_forward(h)
+
+    def lookup(self, ids: nn.Tensor) -> nn.Tensor:
+        return self.embed.lookup(ids)
+
+
+def _export(preset: str, n: int, k: int, vocab: int = 40):
+    model = quantize_model(_Block(n, k, vocab), get_preset(preset))
+    assert isinstance(model.embed, QuantEmbedding)
+    packed = {"param_mode": "packed", "effect_mode": "none"}
+    spec = {
+        "forward": {
+            "x": nn.spec.Tensor([1, "m", k], "float32"),
+            "r": nn.spec.Tensor([1, "m", n], "float32"),
+            "$": packed,
+        },
+        "head": {"h": nn.spec.Tensor(["m", k], "float32"), "$": packed},
+        "lookup": {"ids": nn.spec.Tensor(["m"], "int32"), "$": packed},
+    }
+    with cpu_target():
+        return model.export_tvm(spec)
+
+
+def _params(preset: str, named, floats: dict[str, np.ndarray]):
+    """Quantized params in the exported order, and the float weights they stand for."""
+    p = get_preset(preset)
+    arrays, dequantized = {}, {}
+    for name, w in floats.items():
+        out = weight_transform(p, name, w)
+        arrays.update(out)
+        dequantized[name] = dequantize_params(p, out) if w.ndim == 2 else w
+    assert sorted(arrays) == sorted(name for name, _ in named)
+    return [tvm.runtime.tensor(arrays[name]) for name, _ in named], dequantized
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize(("n", "k"), [(7, 96), (64, 128)])
+def test_quantized_kernels_match_numpy(preset: str, n: int, k: int) -> None:
+    mod, named = _export(preset, n, k)
+    target = cpu_target()
+    vm = relax.VirtualMachine(
+        tvm.compile(mod, target, relax_pipeline=get_pipeline(target)), tvm.cpu()
+    )
+    floats = {
+        "proj.weight": RNG.standard_normal((n, k)).astype("float32"),
+        "proj.bias": RNG.standard_normal(n).astype("float32"),
+        "embed.weight": RNG.standard_normal((40, k)).astype("float32"),
+    }
+    args, w = _params(preset, named, floats)
+    for rows in ROWS:
+        x = RNG.standard_normal((1, rows, k)).astype("float32")
+        r = RNG.standard_normal((1, rows, n)).astype("float32")
+        got = vm["forward"](tvm.runtime.tensor(x), tvm.runtime.tensor(r), args).numpy()
+        want = r + x @ w["proj.weight"].T + w["proj.bias"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=f"M={rows}")
+        h = RNG.standard_normal((rows, k)).astype("float32")
+        got = vm["head"](tvm.runtime.tensor(h), args).numpy()
+        np.testing.assert_allclose(got, h @ w["embed.weight"].T, rtol=1e-5, atol=1e-4)
+    ids = np.array([0, 39, 5, 5], np.int32)
+    got = vm["lookup"](tvm.runtime.tensor(ids), args).numpy()
+    np.testing.assert_allclose(got, w["embed.weight"][ids], rtol=1e-6, atol=1e-6)
+
+
+def _kernels(preset: str, n: int = 64, k: int = 128) -> dict[str, tirx.PrimFunc]:
+    mod, _ = _export(preset, n, k)
+    target = cpu_target()
+    with target:
+        mod = tvm.transform.Sequential(scheduled_tir_passes(target))(mod)
+    return {g.name_hint: f for g, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+def _blocks(stmt: tirx.Stmt) -> list[str]:
+    return re.findall(r'sblock\("(\w+)"\)', str(stmt))
+
+
+@pytest.mark.parametrize("preset", ["q4f16_1", "q8f32"])
+def test_dequantize_and_epilogue_are_one_scheduled_kernel(preset: str) -> None:
+    funcs = _kernels(preset)
+    reading_codes = {
+        name: f for name, f in funcs.items() if any("q_weight" in str(p.name) for p in f.params)
+    }
+    # forward's Linear (+bias +residual), the tied head, the embedding gather: nothing else
+    # touches the packed weights, and there is no separate dequantize kernel.
+    assert len(reading_codes) == 3, sorted(funcs)
+    assert not any(name.startswith("dequantize") and "matmul" not in name and "take" not in name
+                   for name in funcs)  # fmt: skip
+    fused = [name for name in reading_codes if "add" in name]
+    assert len(fused) == 1, sorted(reading_codes)  # dequantize + matmul + bias + residual
+    for name, func in reading_codes.items():
+        assert func.attrs.get("tirx.is_scheduled"), name
+        script = func.script()
+        assert "T.parallel" in script and "T.vectorized" in script, name
+        if "matmul" not in name:
+            continue
+        branch = func.body
+        while not isinstance(branch, tirx.IfThenElse):
+            branch = branch.body
+        assert f"< T.int64({GEMM_MIN_ROWS})" in str(branch.condition)
+        gemv, gemm = _blocks(branch.then_case), _blocks(branch.else_case)
+        assert "dequantize" not in gemv, f"{name}: the GEMV materializes the weight"
+        assert "dequantize" in gemm, f"{name}: the GEMM should dequantize chunks once"

@@ -1,0 +1,186 @@
+"""Quantization presets, the numpy reference quantizers and the weight transform (no TVM).
+
+The reference is checked against straightforward per-element loops written here, so a bug in
+its vectorized numpy would not hide behind a round trip that only checks itself.
+"""
+
+import numpy as np
+import pytest
+
+from mlcrun.errors import MlcrunError
+from mlcrun.quant import PRESETS, get_preset, numpy_ref
+from mlcrun.quant.transform import (
+    dequantize_params,
+    float_param_name,
+    quant_param_specs,
+    weight_transform,
+)
+
+RNG = np.random.default_rng(0)
+
+
+# ----------------------------------------------------------------- presets
+def test_presets_table():
+    bits = {name: p.bits_per_weight for name, p in PRESETS.items()}
+    assert bits == {"q0f32": 32, "q0f16": 16, "q4f32_1": 6, "q4f16_1": 5, "q8f32": 9}
+    assert not PRESETS["q0f32"].quantizes_embedding
+    for name in ("q0f16", "q4f32_1", "q4f16_1", "q8f32"):
+        assert PRESETS[name].quantizes_embedding
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(MlcrunError, match="q4f16_1.*q8f32|q8f32.*q4f16_1") as err:
+        get_preset("q3f16_0")
+    assert "q3f16_0" in str(err.value)
+
+
+# ----------------------------------------------------------------- int4 packing
+def test_pack_layout_is_eight_codes_per_word_low_nibble_first():
+    codes = np.arange(16, dtype=np.uint8).reshape(1, 16)
+    packed = numpy_ref.pack_int4(codes)
+    assert packed.dtype == np.uint32 and packed.shape == (1, 2)
+    assert packed[0, 0] == 0x76543210 and packed[0, 1] == 0xFEDCBA98
+
+
+@pytest.mark.parametrize("shape", [(7, 96), (1, 8), (3, 5, 40)])
+def test_pack_unpack_round_trip(shape):
+    codes = RNG.integers(0, 16, size=shape).astype(np.uint8)
+    packed = numpy_ref.pack_int4(codes)
+    assert packed.shape == (*shape[:-1], shape[-1] // 8)
+    np.testing.assert_array_equal(numpy_ref.unpack_int4(packed), codes)
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(MlcrunError, match="multiple of 8"):
+        numpy_ref.pack_int4(np.zeros((2, 12), np.uint8))
+    with pytest.raises(MlcrunError, match="0..15"):
+        numpy_ref.pack_int4(np.full((1, 8), 16))
+
+
+# ----------------------------------------------------------------- q4 / q8 against loops
+def _q4_by_loops(w, scale_dtype):
+    n, k = w.shape
+    codes = np.zeros((n, k), np.int64)
+    scales, mins = np.zeros((n, k // 32), scale_dtype), np.zeros((n, k // 32), scale_dtype)
+    for i in range(n):
+        for g in range(k // 32):
+            block = w[i, 32 * g : 32 * g + 32].astype(np.float32)
+            lo, hi = block.min(), block.max()
+            scales[i, g], mins[i, g] = (hi - lo) / 15, lo
+            s, m = np.float32(scales[i, g]), np.float32(mins[i, g])
+            for j in range(32):
+                q = 0 if s == 0 else np.rint((block[j] - m) / s)
+                codes[i, 32 * g + j] = min(max(q, 0), 15)
+    return codes, scales, mins
+
+
+@pytest.mark.parametrize("scale_dtype", ["float32", "float16"])
+@pytest.mark.parametrize(("n", "k"), [(7, 96), (1, 32), (5, 64)])
+def test_q4_matches_loops(n, k, scale_dtype):
+    w = RNG.standard_normal((n, k)).astype(np.float32)
+    packed, scale, mins = numpy_ref.quantize_q4(w, "w", scale_dtype)
+    assert packed.shape == (n, k // 8) and scale.shape == mins.shape == (n, k // 32)
+    assert scale.dtype == mins.dtype == np.dtype(scale_dtype)
+    codes, want_scale, want_min = _q4_by_loops(w, scale_dtype)
+    np.testing.assert_array_equal(scale, want_scale)
+    np.testing.assert_array_equal(mins, want_min)
+    # rint of exact .5 ties may differ by one code between vector and scalar division
+    assert np.abs(numpy_ref.unpack_int4(packed).astype(np.int64) - codes).max() <= 1
+    deq = numpy_ref.dequantize_q4(packed, scale, mins)
+    s = np.repeat(scale.astype(np.float32), 32, axis=1)
+    m = np.repeat(mins.astype(np.float32), 32, axis=1)
+    np.testing.assert_allclose(deq, numpy_ref.unpack_int4(packed) * s + m, rtol=1e-6, atol=1e-6)
+    # error bound: half a step, plus the fp16 rounding of min
+    slack = 0.0 if scale_dtype == "float32" else 2e-3 * np.abs(w).max()
+    assert np.all(np.abs(deq - w) <= s / 2 + 1e-6 + slack)
+
+
+def test_q4_flat_group_is_exact():
+    w = np.full((2, 32), 0.25, np.float32)
+    packed, scale, mins = numpy_ref.quantize_q4(w)
+    assert np.all(scale == 0)
+    np.testing.assert_array_equal(numpy_ref.dequantize_q4(packed, scale, mins), w)
+
+
+def test_q4_represents_symmetric_and_gguf_formats_exactly():
+    """MLC's symmetric q4 ((q - 7) * s) and GGUF Q4_0 ((q - 8) * d) blocks that use the full
+    code range round-trip through the asymmetric form without loss."""
+    d = np.float32(0.125)
+    for offset in (7, 8):
+        codes = RNG.integers(0, 16, size=(3, 64))
+        codes[:, ::32] = 0  # each group spans the full range 0..15
+        codes[:, 1::32] = 15
+        w = ((codes - offset) * d).astype(np.float32)
+        packed, scale, mins = numpy_ref.quantize_q4(w)
+        np.testing.assert_array_equal(numpy_ref.dequantize_q4(packed, scale, mins), w)
+
+
+@pytest.mark.parametrize(("n", "k"), [(7, 96), (4, 32)])
+def test_q8_matches_loops(n, k):
+    w = RNG.standard_normal((n, k)).astype(np.float32)
+    codes, scale = numpy_ref.quantize_q8(w, "w")
+    assert codes.dtype == np.int8 and codes.shape == (n, k) and scale.shape == (n, k // 32)
+    for i in range(n):
+        for g in range(k // 32):
+            block = w[i, 32 * g : 32 * g + 32]
+            s = np.float32(np.abs(block).max() / 127)
+            assert scale[i, g] == s
+            want = np.clip(np.rint(block / s), -127, 127)
+            assert np.abs(codes[i, 32 * g : 32 * g + 32] - want).max() <= 1
+    deq = numpy_ref.dequantize_q8(codes, scale)
+    assert np.all(np.abs(deq - w) <= np.repeat(scale, 32, axis=1) / 2 + 1e-6)
+
+
+def test_q8_zero_group():
+    codes, scale = numpy_ref.quantize_q8(np.zeros((1, 32), np.float32))
+    assert np.all(codes == 0) and np.all(scale == 0)
+
+
+@pytest.mark.parametrize("quantize", [numpy_ref.quantize_q4, numpy_ref.quantize_q8])
+def test_k_not_a_multiple_of_the_group_names_tensor_and_dim(quantize):
+    with pytest.raises(MlcrunError, match=r"'layers.0.down.weight'.*dimension 1 \(K = 100\)"):
+        quantize(np.zeros((7, 100), np.float32), "layers.0.down.weight")
+    with pytest.raises(MlcrunError, match="2-D"):
+        quantize(np.zeros((64,), np.float32), "norm.weight")
+
+
+# ----------------------------------------------------------------- weight transform
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_transform_matches_declared_params(preset):
+    p = get_preset(preset)
+    w = RNG.standard_normal((7, 96)).astype(np.float32)
+    out = weight_transform(p, "layer.proj.weight", w)
+    if p.kind == "none":
+        assert list(out) == ["layer.proj.weight"] and out["layer.proj.weight"].dtype == np.float32
+        return
+    specs = quant_param_specs(p, 7, 96)
+    assert list(out) == [f"layer.proj.{suffix}" for suffix in specs]
+    for suffix, (shape, dtype) in specs.items():
+        array = out[f"layer.proj.{suffix}"]
+        assert array.shape == shape and str(array.dtype) == dtype
+        assert float_param_name(f"layer.proj.{suffix}") == "layer.proj.weight"
+    tol = {"f16": 1e-3, "q8": 0.02, "q4": 0.35}[p.kind]
+    np.testing.assert_allclose(dequantize_params(p, out), w, atol=tol)
+
+
+@pytest.mark.parametrize("preset", ["q0f16", "q4f32_1", "q8f32"])
+def test_transform_keeps_vectors_float32(preset):
+    p = get_preset(preset)
+    for name in ("model.norm.weight", "layer.qkv_proj.bias"):
+        out = weight_transform(p, name, np.ones(64, np.float16))
+        assert list(out) == [name] and out[name].dtype == np.float32
+
+
+def test_transform_keeps_odd_k_float32_under_q4_and_q8():
+    w = RNG.standard_normal((8, 100)).astype(np.float32)
+    for preset in ("q4f16_1", "q8f32"):
+        out = weight_transform(get_preset(preset), "odd.weight", w)
+        assert list(out) == ["odd.weight"] and out["odd.weight"].dtype == np.float32
+    out = weight_transform(get_preset("q0f16"), "odd.weight", w)
+    assert out["odd.weight"].dtype == np.float16
+
+
+def test_float_param_name_leaves_other_names_alone():
+    assert float_param_name("a.b.bias") == "a.b.bias"
+    assert float_param_name("a.q_weight_extra") == "a.q_weight_extra"
+    assert float_param_name("model.embed_tokens.q_min") == "model.embed_tokens.weight"
