@@ -1,0 +1,66 @@
+"""GGUF files compiled by mlcrun match transformers run on the same (dequantized) weights."""
+
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import load_reference, reference_logits
+from gguf import GGMLQuantizationType as Q
+from gguf_fixtures import expected, write_gguf
+
+from mlcrun.compiler.build import compile_model
+from mlcrun.compiler.options import CompileOptions
+from mlcrun.runtime import Model
+
+CASES = [("llama", q) for q in (Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1)] + [("qwen2-tied", Q.Q4_1)]
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLCRUN_HOME", str(tmp_path / "home"))
+
+
+@pytest.mark.parametrize(("name", "qtype"), CASES, ids=lambda c: getattr(c, "name", c))
+def test_compiled_gguf_matches_transformers_on_dequantized_weights(
+    checkpoints, tmp_path, name, qtype
+):
+    folder = checkpoints(name)
+    gguf_path = write_gguf(folder, tmp_path / "model.gguf", qtype)
+    ref = load_reference(folder)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.from_numpy(expected(p.numpy(), qtype)))
+    prompts = [[1, 40, 41, 200, 7, 9, 100], [1, 250, 3, 5]]
+    want = [reference_logits(ref, p)[-1].numpy() for p in prompts]
+
+    art = compile_model(str(gguf_path), tmp_path / "art", CompileOptions(quantization="q0f32"))
+    model = Model(art)
+    for seq in (0, 1):
+        model.add_new_sequence(seq)
+    logits = model.batch_prefill(
+        model.token_embed(prompts[0] + prompts[1]), [0, 1], [len(p) for p in prompts]
+    )
+    for row in range(2):
+        np.testing.assert_allclose(logits[row], want[row], atol=1e-4, rtol=0)
+
+
+def test_truncated_gguf_is_one_line_and_leaves_nothing(checkpoints, tmp_path):
+    path = write_gguf(checkpoints("llama"), tmp_path / "model.gguf", Q.Q8_0)
+    data = path.read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "mlcrun", "compile", str(bad), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "MLCRUN_HOME": str(tmp_path / "h"), "HOME": str(tmp_path)},
+    )
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "bad.gguf" in result.stderr
+    assert not out.exists()
+    shutil.rmtree(tmp_path / "h", ignore_errors=True)
