@@ -64,6 +64,7 @@ class Model:
             "page_size": a.page_size,
             "sliding_window": self.config.sliding_window,
             "num_threads": self.num_threads,
+            "kv_cache": dict(self._kv_settings),  # as last created (empty before)
         }
 
     @property
