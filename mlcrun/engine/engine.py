@@ -173,6 +173,8 @@ class Engine:
         if prefill:
             self._prefill(prefill)
             touched += [r for r, _ in prefill]
+        if not touched and self.has_unfinished():
+            touched += self._unstick()
         outputs = []
         touched = list(dict.fromkeys(touched))  # keep order, drop duplicates
         self.stats.step_sizes[len(touched)] = self.stats.step_sizes.get(len(touched), 0) + 1
@@ -214,6 +216,18 @@ class Engine:
             self._preempt(victim)
             decode = [r for r in decode if r is not victim]
         return decode
+
+    def _unstick(self) -> list[Request]:
+        """Nothing could run this step: free pages so that the next step can, never hang."""
+        if len(self.running) > 1:
+            self._preempt(max(self.running, key=lambda r: r.order))
+            return []
+        # Alone (or nothing admitted) in an otherwise empty cache and still no room: the KV
+        # budget is smaller than this request needs.
+        req = self.running[0] if self.running else self.waiting.popleft()
+        req.finish("length")
+        self._release(req, keep=False)
+        return [req]
 
     def _evict_oldest(self) -> None:
         seq_id = self.retained.pop_oldest()

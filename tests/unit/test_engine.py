@@ -191,3 +191,15 @@ def test_eos_stops_and_ignore_eos_continues():
     assert outs[("stop", 0)].finish_reason == "stop" and outs[("stop", 0)].token_ids[-1] == 0
     assert len(outs[("stop", 0)].token_ids) == 4
     assert outs[("go", 0)].finish_reason == "length" and len(outs[("go", 0)].token_ids) == 20
+
+
+def test_a_request_larger_than_the_whole_kv_budget_finishes_instead_of_hanging():
+    engine, runner = make_engine(pages=2, seqs=2, chunk=16, prefix_cache=False)
+    engine.add_request("huge", prompt_of(20, 1), GREEDY)
+    engine.add_request("small", prompt_of(3, 2), SamplingParams(max_tokens=3, temperature=0))
+    outs = run_all(engine, max_steps=100)
+    assert outs[("huge", 0)].finish_reason == "length"
+    assert outs[("small", 0)].token_ids == alone(
+        prompt_of(3, 2), SamplingParams(max_tokens=3, temperature=0)
+    )
+    assert runner.get_num_available_pages() == runner.num_pages
