@@ -43,6 +43,7 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "generation_config.json",
     "chat_template.jinja",
     "chat_template.json",
+    "tokenizer.model",
 )
 
 _REPLACEMENT_CHAR = "\ufffd"

@@ -19,6 +19,7 @@ from ..models import registry
 from ..models.config import ModelConfig
 from ..quant import get_preset
 from ..quant.modules import float_param_name, weight_transform
+from ..tokenizer import TOKENIZER_FILES
 from ..weights.checkpoint import open_checkpoint
 from ..weights.mapping import WeightMap
 from .export import attach_metadata, export_model
@@ -29,15 +30,6 @@ from .target import resolve_target
 log = logging.getLogger(__name__)
 
 SHARD_BYTES = 1 << 30
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-    "added_tokens.json",
-)
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
 
 
