@@ -51,17 +51,6 @@ def cache_dir(source: str, quantization: str, device: str, context_window: int |
     return mlcrun_home() / "models" / f"{name}-{quantization}-{device}-{digest.hexdigest()[:12]}"
 
 
-def default_quantization(source: str) -> str:
-    """GGUF keeps its precision where a preset represents it ("auto"); HF folders stay fp32."""
-    from .compiler.options import QUANTIZATIONS
-
-    if source.endswith(".gguf"):
-        for preset in ("auto", "q4f32_1"):
-            if preset in QUANTIZATIONS:
-                return preset
-    return "q0f32"
-
-
 def resolve_artifact(
     model: str | None,
     *,
@@ -79,7 +68,7 @@ def resolve_artifact(
     from .compiler.options import CompileOptions
 
     options = CompileOptions(
-        quantization=quantization or default_quantization(source),
+        quantization=quantization or "auto",
         device=device,
         context_window=context_window,
     )

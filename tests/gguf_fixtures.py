@@ -97,8 +97,16 @@ def llama3_rope_factors(config: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, pre: str = "gpt-2") -> Path:
-    """Convert the HF checkpoint in `folder` to a GGUF file at `path`."""
+def is_table(hf_name: str) -> bool:
+    """The embedding table or the lm_head (llama.cpp often stores them in another type)."""
+    return hf_name.endswith("embed_tokens.weight") or hf_name == "lm_head.weight"
+
+
+def write_gguf(
+    folder: Path, path: Path, qtype: Q = Q.F32, pre: str = "gpt-2", table_qtype: Q | None = None
+) -> Path:
+    """Convert the HF checkpoint in `folder` to a GGUF file at `path` (the embedding table and
+    lm_head in `table_qtype` when given)."""
     config = json.loads((folder / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -131,7 +139,8 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, pre: str = "gpt-2") -
         elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             array = permute(array, n_head, n_kv)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        kind = stored_type(array, qtype)
+        table = table_qtype is not None and is_table(hf_name)
+        kind = stored_type(array, table_qtype if table else qtype)
         data = gguf.quants.quantize(array.astype(np.float32), kind)
         writer.add_tensor(name, data, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
     finish(writer)

@@ -18,7 +18,10 @@ def chat_command(
     system: str = typer.Option(None, "--system", help="System message."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     quantization: str = typer.Option(
-        None, "--quantization", "-q", help="Preset when compiling (default: auto for GGUF)."
+        None,
+        "--quantization",
+        "-q",
+        help="Preset when compiling (default: auto, the checkpoint's own precision).",
     ),
     temperature: float = typer.Option(0.7, "--temperature"),
     top_p: float = typer.Option(0.95, "--top-p"),

@@ -12,11 +12,14 @@ from .common import RichProgress, err_console, handle_errors, setup_logging
 @handle_errors
 def compile_command(
     model: str = typer.Argument(
-        None, help="HF checkpoint folder, or a hub id in the local HF cache."
+        None, help="HF checkpoint folder, a hub id in the local HF cache, or a .gguf file."
     ),
     output: Path = typer.Option(None, "--output", "-o", help="Artifact folder to write."),
     quantization: str = typer.Option(
-        "q0f32", "--quantization", "-q", help="Weight format (see --list-quantizations)."
+        "auto",
+        "--quantization",
+        "-q",
+        help="Weight format (see --list-quantizations); auto keeps the checkpoint's own.",
     ),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     context_window: int = typer.Option(
@@ -40,6 +43,10 @@ def compile_command(
 
         for p in PRESETS.values():
             typer.echo(f"{p.name:<8} {p.bits_per_weight:5.2f} bits/weight  {p.description}")
+        typer.echo(
+            f"{'auto':<8} {'':5} {'':11}  the preset that stores the checkpoint's weights "
+            "exactly (GGUF Q4_0/Q4_1 -> q4, Q8_0 -> q8f32, F16 -> q0f16; default)"
+        )
         return
     if model is None or output is None:
         err_console.print("error: MODEL and --output/-o are required", highlight=False)

@@ -9,27 +9,22 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import tvm
-from safetensors.numpy import save_file
 
 from .. import __version__, abi, artifact
 from ..errors import MlcrunError
 from ..models import registry
 from ..models.config import ModelConfig
-from ..quant import get_preset
-from ..quant.modules import float_param_name, weight_transform
 from ..tokenizer import TOKENIZER_FILES
 from ..weights.checkpoint import open_checkpoint
-from ..weights.mapping import WeightMap
 from .export import attach_metadata, export_model
 from .options import DEFAULT_CONTEXT_CAP, CompileOptions
+from .params import float_param_names, resolve_quantization, write_params
 from .progress import NullProgress, Progress
 from .target import resolve_target
 
 log = logging.getLogger(__name__)
 
-SHARD_BYTES = 1 << 30
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
 
 
@@ -59,18 +54,19 @@ def compile_model(
     context_window = _context_window(cfg, options)
     target = resolve_target(options.device)
     source = checkpoint.open_source()
+    quantization = resolve_quantization(options.quantization, source)
     progress.phase("Exporting model")
-    mod, params = export_model(cfg, target, options.quantization)
-    wmap.check(source, _float_param_names(params))
+    mod, params = export_model(cfg, target, quantization)
+    wmap.check(source, float_param_names(params))
     progress.done()
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        files = _write_params(tmp, source, wmap, params, options.quantization, progress)
+        files = write_params(tmp, source, wmap, params, quantization, progress)
         art = artifact.Artifact(
             model=cfg.to_dict(),
-            quantization=options.quantization,
+            quantization=quantization,
             device=options.device,
             target=str(target),
             library=f"{artifact.LIB_DIR}/{options.device}.so",
@@ -107,53 +103,6 @@ def _build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path) -> 
     with target:
         executable = tvm.compile(mod, target=target, relax_pipeline=get_pipeline(target))
     executable.export_library(str(path))
-
-
-def _float_param_names(params) -> list[str]:
-    """The weight map's (float) param names behind the exported, possibly quantized, params."""
-    return list(dict.fromkeys(float_param_name(name) for name, _, _ in params))
-
-
-def _write_params(tmp: Path, source, wmap: WeightMap, params, quantization: str, progress):
-    """Convert each float param with the weight map, then the preset's weight transform, and
-    write the results (checked against the exported params' names, shapes and dtypes)."""
-    preset = get_preset(quantization)
-    expected = {name: (shape, dtype) for name, shape, dtype in params}
-    params_dir = tmp / artifact.PARAMS_DIR
-    params_dir.mkdir()
-    progress.phase("Converting weights", total=len(_float_param_names(params)))
-    files, shard, shard_bytes, written = [], {}, 0, set()
-
-    def flush():
-        nonlocal shard, shard_bytes
-        path = params_dir / f"params-{len(files):05d}.safetensors"
-        save_file(shard, str(path))
-        files.append(path)
-        shard, shard_bytes = {}, 0
-
-    for float_name, float_array in wmap.convert(source):
-        for name, array in weight_transform(preset, float_name, float_array).items():
-            if name not in expected:
-                raise MlcrunError(f"{quantization}: param {name!r} is not one of the model's")
-            shape, dtype = expected[name]
-            if tuple(array.shape) != shape or str(array.dtype) != dtype:
-                raise MlcrunError(
-                    f"param {name!r}: converted {list(array.shape)} {array.dtype} != "
-                    f"{list(shape)} {dtype}"
-                )
-            shard[name] = np.ascontiguousarray(array)
-            shard_bytes += shard[name].nbytes
-            written.add(name)
-        progress.advance()
-        if shard_bytes >= SHARD_BYTES:
-            flush()
-    if shard:
-        flush()
-    missing = [name for name in expected if name not in written]
-    if missing:
-        raise MlcrunError(f"{quantization}: no weight produces param {missing[0]!r}")
-    progress.done()
-    return files
 
 
 def _context_window(cfg: ModelConfig, options: CompileOptions) -> int:

@@ -5,15 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import MlcrunError
-from ..quant import PRESETS
+from ..quant import PRESETS, get_preset
 
-QUANTIZATIONS = tuple(PRESETS)
+# "auto": the preset that holds the checkpoint's stored weights exactly (compiler/params.py)
+QUANTIZATIONS = ("auto", *PRESETS)
 DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
 class CompileOptions:
-    quantization: str = "q0f32"
+    quantization: str = "auto"
     device: str = "cpu"
     context_window: int | None = None  # None: the model's max_position_embeddings, capped
     prefill_chunk: int = 512
@@ -21,11 +22,14 @@ class CompileOptions:
     page_size: int = 16
 
     def __post_init__(self) -> None:
-        if self.quantization not in QUANTIZATIONS:
-            raise MlcrunError(
-                f"--quantization {self.quantization!r} is not available; "
-                f"choose from: {', '.join(QUANTIZATIONS)}"
-            )
+        if self.quantization != "auto":
+            try:
+                get_preset(self.quantization)  # a preset, or a mixed A+B
+            except MlcrunError:
+                raise MlcrunError(
+                    f"--quantization {self.quantization!r} is not available; choose from: "
+                    f"{', '.join(QUANTIZATIONS)} (or A+B: layers in A, embedding/lm_head in B)"
+                ) from None
         if self.device not in DEVICES:
             raise MlcrunError(f"--device {self.device!r} is not supported; choose cpu or cuda")
         for name in ("prefill_chunk", "max_batch", "page_size"):

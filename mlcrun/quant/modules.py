@@ -31,6 +31,7 @@ from .presets import QuantPreset
 from .transform import (
     dequantize_params,
     float_param_name,
+    preset_for,
     quant_param_specs,
     quantizes,
     weight_transform,
@@ -149,7 +150,9 @@ class _Rewriter(nn.Mutator):
         self.kept: list[str] = []
 
     def visit_module(self, name: str, node: nn.Module):
-        p = self.preset
+        p = preset_for(self.preset, f"{name}.weight")
+        if p.kind == "none" and isinstance(node, (nn.Linear, nn.Embedding)):
+            return node  # float32 by choice (a mixed preset's q0f32 half)
         if isinstance(node, nn.Linear):
             k, n = int(node.in_features), int(node.out_features)
             if not quantizes(p, (n, k)):
@@ -167,7 +170,7 @@ class _Rewriter(nn.Mutator):
 
 def quantize_model(model: nn.Module, preset: QuantPreset) -> nn.Module:
     """Rewrite `model` in place for `preset` and return it (unchanged for q0f32)."""
-    if preset.kind == "none":
+    if preset.kind == "none" and preset.for_embedding.kind == "none":
         return model
     rewriter = _Rewriter(preset)
     model = rewriter.visit("", model)

@@ -20,11 +20,15 @@ Formats (K: a Linear's input features / the embedding dim, groups of 32 along K)
 
 Every preset but q0f32 stores the embedding table and the lm_head (tied or not) in its format
 too: in a 135M model with a 49k vocabulary they are a fifth of the weights read per token.
+
+A mixed name `A+B` stores the linear layers in A and the embedding table and lm_head in B, as
+llama.cpp's files often do (Q4_1 layers with a Q8_0 token_embd: `q4f16_1+q8f32`). `auto`
+(compiler/params.py) picks such a pair to keep a GGUF's blocks exact.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import MlcrunError
 
@@ -38,6 +42,12 @@ class QuantPreset:
     scale_dtype: str | None  # storage dtype of q4/q8 scales (and q4 mins)
     description: str
     group_size: int = GROUP_SIZE
+    embedding: QuantPreset | None = None  # the embedding table's and lm_head's, when different
+
+    @property
+    def for_embedding(self) -> QuantPreset:
+        """The preset of the embedding table and the lm_head."""
+        return self.embedding or self
 
     @property
     def quantizes_embedding(self) -> bool:
@@ -71,9 +81,15 @@ PRESETS: dict[str, QuantPreset] = {
 
 
 def get_preset(name: str) -> QuantPreset:
-    try:
-        return PRESETS[name]
-    except KeyError:
+    """A preset by name, or the mixed preset `A+B` (linears in A, embedding/lm_head in B)."""
+    main, plus, emb = name.partition("+")
+    if main not in PRESETS or (plus and (emb not in PRESETS or emb == main)):
         raise MlcrunError(
-            f"unknown quantization {name!r}; choose from: {', '.join(PRESETS)}"
-        ) from None
+            f"unknown quantization {name!r}; choose from: {', '.join(PRESETS)} "
+            "(or A+B: linear layers in A, embedding and lm_head in B)"
+        )
+    if not plus:
+        return PRESETS[main]
+    base, table = PRESETS[main], PRESETS[emb]
+    description = f"{base.description}; embedding and lm_head: {table.description}"
+    return replace(base, name=name, description=description, embedding=table)

@@ -56,8 +56,20 @@ def float_param_name(name: str) -> str:
     return name
 
 
+def is_embedding_weight(name: str) -> bool:
+    """Is `name` the embedding table's or the lm_head's weight (stored in the preset's
+    `for_embedding` format)? The rewrite asks the same of `<module name>.weight`."""
+    return name == "lm_head.weight" or name.endswith("embed_tokens.weight")
+
+
+def preset_for(preset: QuantPreset, name: str) -> QuantPreset:
+    """The preset that stores the float param `name`."""
+    return preset.for_embedding if is_embedding_weight(name) else preset
+
+
 def weight_transform(preset: QuantPreset, name: str, array: np.ndarray) -> dict[str, np.ndarray]:
     """One float param -> the param(s) the rewritten module declares for it."""
+    preset = preset_for(preset, name)
     if not (name.endswith(".weight") and quantizes(preset, array.shape)):
         return {name: np.ascontiguousarray(array, dtype=np.float32)}
     prefix = name[: -len("weight")]

@@ -78,5 +78,15 @@ class WeightMap:
 
     def convert(self, source: TensorSource) -> Iterator[tuple[str, np.ndarray]]:
         for rule in self.rules:
-            arrays = [source.get(n) for n in rule.sources]
-            yield rule.name, np.ascontiguousarray(rule.transform(*arrays))
+            yield rule.name, convert_rule(source, rule)
+
+
+def convert_rule(source: TensorSource, rule: ParamRule) -> np.ndarray:
+    arrays = [source.get(n) for n in rule.sources]
+    return np.ascontiguousarray(rule.transform(*arrays))
+
+
+def is_row_wise(rule: ParamRule) -> bool:
+    """Does the rule only stack whole rows of its sources (so it commutes with any per-row
+    storage format, such as quantized blocks)?"""
+    return rule.transform in (identity, concat_rows)

@@ -65,6 +65,10 @@ class SafetensorsSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._index[name][1]["shape"])
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype name (F32, F16, BF16, ...)."""
+        return self._index[name][1]["dtype"]
+
     def get(self, name: str) -> np.ndarray:
         """The tensor as a numpy array (float tensors as float32 or float16)."""
         file, info = self._index[name]

@@ -9,13 +9,24 @@ import pytest
 import torch
 from checkpoints import load_reference, reference_logits
 from gguf import GGMLQuantizationType as Q
-from gguf_fixtures import expected, write_gguf
+from gguf_fixtures import expected, is_table, write_gguf
 
 from mlcrun.compiler.build import compile_model
 from mlcrun.compiler.options import CompileOptions
+from mlcrun.quant.gguf_blocks import EXACT_PRESET
 from mlcrun.runtime import Model
 
-CASES = [("llama", q) for q in (Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1)] + [("qwen2-tied", Q.Q4_1)]
+AUTO_Q4 = EXACT_PRESET["Q4_1"]
+# (checkpoint, GGUF type, type of the embedding/lm_head, --quantization, the preset recorded)
+CASES = [("llama", q, None, "q0f32", "q0f32") for q in (Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1)]
+CASES += [  # auto keeps the stored blocks bit for bit: the same 1e-4 parity as float storage
+    ("llama", Q.Q8_0, None, "auto", "q8f32"),
+    ("llama", Q.Q4_0, None, "auto", AUTO_Q4),
+    ("llama", Q.Q4_1, None, "auto", AUTO_Q4),
+    ("llama", Q.F16, None, "auto", "q0f16"),
+    ("qwen2-tied", Q.Q4_1, Q.Q8_0, "auto", f"{AUTO_Q4}+q8f32"),  # like SmolLM2's GGUF
+    ("llama", Q.Q4_0, Q.F32, "auto", f"{AUTO_Q4}+q0f32"),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -23,21 +34,28 @@ def home(tmp_path, monkeypatch):
     monkeypatch.setenv("MLCRUN_HOME", str(tmp_path / "home"))
 
 
-@pytest.mark.parametrize(("name", "qtype"), CASES, ids=lambda c: getattr(c, "name", c))
+@pytest.mark.parametrize(
+    ("name", "qtype", "table_qtype", "quantization", "preset"),
+    CASES,
+    ids=lambda c: getattr(c, "name", str(c)),
+)
 def test_compiled_gguf_matches_transformers_on_dequantized_weights(
-    checkpoints, tmp_path, name, qtype
+    checkpoints, tmp_path, name, qtype, table_qtype, quantization, preset
 ):
     folder = checkpoints(name)
-    gguf_path = write_gguf(folder, tmp_path / "model.gguf", qtype)
+    gguf_path = write_gguf(folder, tmp_path / "model.gguf", qtype, table_qtype=table_qtype)
     ref = load_reference(folder)
     with torch.no_grad():
-        for p in ref.parameters():
-            p.copy_(torch.from_numpy(expected(p.numpy(), qtype)))
+        for param_name, p in ref.named_parameters():
+            kind = table_qtype if table_qtype is not None and is_table(param_name) else qtype
+            p.copy_(torch.from_numpy(expected(p.numpy(), kind)))
     prompts = [[1, 40, 41, 200, 7, 9, 100], [1, 250, 3, 5]]
     want = [reference_logits(ref, p)[-1].numpy() for p in prompts]
 
-    art = compile_model(str(gguf_path), tmp_path / "art", CompileOptions(quantization="q0f32"))
+    options = CompileOptions(quantization=quantization)
+    art = compile_model(str(gguf_path), tmp_path / "art", options)
     model = Model(art)
+    assert model.artifact.quantization == preset
     for seq in (0, 1):
         model.add_new_sequence(seq)
     logits = model.batch_prefill(

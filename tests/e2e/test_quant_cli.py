@@ -20,8 +20,8 @@ def test_list_quantizations_needs_no_model():
     result = run_cli("compile", "--list-quantizations")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    assert [line.split()[0] for line in lines] == list(PRESETS)
-    bits = {line.split()[0]: float(line.split()[1]) for line in lines}
+    assert [line.split()[0] for line in lines] == [*PRESETS, "auto"]
+    bits = {line.split()[0]: float(line.split()[1]) for line in lines[:-1]}
     assert bits["q4f16_1"] == 5.0 and bits["q8f32"] == 9.0 and bits["q0f32"] == 32.0
 
 

@@ -184,3 +184,82 @@ def test_float_param_name_leaves_other_names_alone():
     assert float_param_name("a.b.bias") == "a.b.bias"
     assert float_param_name("a.q_weight_extra") == "a.q_weight_extra"
     assert float_param_name("model.embed_tokens.q_min") == "model.embed_tokens.weight"
+
+
+# ----------------------------------------------------------------- GGUF blocks, exactly
+@pytest.mark.parametrize(
+    ("qtype", "preset"),
+    [
+        ("Q4_0", "q4f32_1"),
+        ("Q4_0", "q4f16_1"),
+        ("Q4_1", "q4f32_1"),
+        ("Q4_1", "q4f16_1"),
+        ("Q8_0", "q8f32"),
+    ],
+)
+def test_gguf_blocks_become_preset_params_bit_exactly(qtype, preset):
+    """gguf's own quantizer writes the blocks; our params must dequantize to exactly what
+    gguf's dequantizer reads from them (odd row count, several blocks per row)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from mlcrun.quant.gguf_blocks import exact_params
+
+    kind = GGMLQuantizationType[qtype]
+    w = RNG.normal(0, 0.05, (7, 96)).astype(np.float32)
+    w[2, :32] = 0.0  # a flat block
+    w[3, 32:64] += 1.5  # a block away from zero (Q4_1's min matters)
+    data = quantize(w, kind)
+    want = dequantize(data, kind)
+    p = get_preset(preset)
+    params = exact_params(p, qtype, data)
+    assert params is not None
+    specs = quant_param_specs(p, 7, 96)
+    assert {k: (v.shape, str(v.dtype)) for k, v in params.items()} == specs
+    got = dequantize_params(p, {f"x.{k}": v for k, v in params.items()})
+    np.testing.assert_array_equal(got, want)
+
+
+def test_gguf_blocks_refused_where_not_exact():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from mlcrun.quant.gguf_blocks import exact_params
+
+    w = RNG.normal(0, 0.05, (2, 64)).astype(np.float32)
+    q8 = quantize(w, GGMLQuantizationType.Q8_0)
+    assert exact_params(get_preset("q4f32_1"), "Q8_0", q8) is None
+    q4 = quantize(w, GGMLQuantizationType.Q4_1)
+    assert exact_params(get_preset("q8f32"), "Q4_1", q4) is None
+    assert exact_params(get_preset("q0f32"), "Q4_1", q4) is None
+
+
+def test_auto_picks_the_preset_of_the_dominant_storage_type():
+    from mlcrun.quant.gguf_blocks import auto_preset
+
+    assert auto_preset({"Q4_1": 100, "Q8_0": 3, "F32": 1}, {"Q4_1": 30}) == "q4f16_1"
+    assert auto_preset({"Q4_1": 100}, {"Q8_0": 30}) == "q4f16_1+q8f32"  # SmolLM2's GGUF
+    assert auto_preset({"Q4_0": 10}, {"F32": 5}) == "q4f16_1+q0f32"
+    assert auto_preset({"Q8_0": 100, "Q4_0": 3}, {}) == "q8f32"
+    assert auto_preset({"F16": 5}, {"F16": 5}) == "q0f16"
+    assert auto_preset({"BF16": 5}, {"BF16": 5}) == "q0f32"
+    assert auto_preset({"F32": 5}, {"F32": 5}) == "q0f32"
+    assert auto_preset({}, {}) == "q0f32"
+
+
+def test_mixed_preset_stores_tables_in_the_second_format():
+    from mlcrun.quant.transform import preset_for
+
+    mixed = get_preset("q4f16_1+q8f32")
+    assert mixed.kind == "q4" and mixed.for_embedding is PRESETS["q8f32"]
+    assert preset_for(mixed, "model.embed_tokens.weight").name == "q8f32"
+    assert preset_for(mixed, "lm_head.weight").name == "q8f32"
+    assert preset_for(mixed, "model.layers.0.mlp.down_proj.weight") is mixed
+    w = RNG.normal(0, 0.05, (4, 64)).astype(np.float32)
+    assert set(weight_transform(mixed, "lm_head.weight", w)) == {
+        "lm_head.q_weight",
+        "lm_head.q_scale",
+    }
+    for bad in ("q4f16_1+q4f16_1", "q4f16_1+", "q4f16_1+q9", "x+q8f32"):
+        with pytest.raises(MlcrunError, match="unknown quantization"):
+            get_preset(bad)
