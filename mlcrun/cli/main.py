@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from .. import __version__
+from .bench import bench_command
 from .chat import chat_command
 from .compile import compile_command
 from .serve import serve_command
@@ -19,6 +20,7 @@ app = typer.Typer(
 app.command("compile")(compile_command)
 app.command("chat")(chat_command)
 app.command("serve")(serve_command)
+app.command("bench")(bench_command)
 
 
 def _version(value: bool) -> None:
