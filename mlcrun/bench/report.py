@@ -278,6 +278,21 @@ def kernel_table(doc: dict) -> Table:
     return table
 
 
+def profile_table(profile: dict) -> Table:
+    """bench/profile.py's decode-step profile: milliseconds per step by kernel."""
+    title = (
+        f"one decode step: {profile['step_ms']:.2f} ms "
+        f"(batch {profile['batch']}, depth {profile['depth']})"
+    )
+    table = Table(title=title)
+    for name in ("kernel", "calls", "ms", "share"):
+        table.add_column(name, justify="left" if name == "kernel" else "right")
+    for k in profile["kernels"]:
+        calls = str(k["calls"]) if k["calls"] else ""
+        table.add_row(k["name"], calls, f"{k['ms']:.3f}", f"{100 * k['share']:.1f}%")
+    return table
+
+
 def _plot_cdf(ax, values: list[float], label: str) -> None:
     data = sorted(values)
     if data:

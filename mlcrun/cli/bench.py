@@ -60,6 +60,9 @@ def bench_command(
     depths: str = typer.Option("0,512", "-d", "--depths", help="Tokens already in the KV."),
     decode_tokens: int = typer.Option(32, "-n", "--decode-tokens", help="Steps per decode test."),
     repetitions: int = typer.Option(3, "-r", "--repetitions", help="Timed runs per test."),
+    profile: bool = typer.Option(
+        False, "--profile", help="Also time every kernel of one decode step (kernel mode)."
+    ),
     # common
     threads: int = typer.Option(None, "--threads", help="CPU threads for the model."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (when compiling)."),
@@ -81,7 +84,7 @@ def bench_command(
         raise MlcrunError("--threads must be positive")
     command = ["mlcrun", "bench", *sys.argv[2:]] if len(sys.argv) > 1 else ["mlcrun", "bench"]
     if mode == "kernel":
-        args = (prompt_lens, batches, depths, decode_tokens, repetitions)
+        args = (prompt_lens, batches, depths, decode_tokens, repetitions, profile)
         doc = _kernel(model, args, threads, device, quantization, command)
     else:
         workload = (num_prompts, input_len, output_len, dataset, seed)
@@ -96,6 +99,8 @@ def bench_command(
     from rich.console import Console
 
     Console().print(table)
+    if doc.get("profile"):
+        Console().print(report.profile_table(doc["profile"]))
     if json_path:
         report.write_json(json_path, doc)
         err_console.print(f"wrote {json_path}", highlight=False)
@@ -144,7 +149,7 @@ def _kernel(model, args, threads, device, quantization, command) -> dict:
     from ..bench import kernel, report
     from ..runtime import Model
 
-    prompt_lens, batches, depths, decode_tokens, reps = args
+    prompt_lens, batches, depths, decode_tokens, reps, profile = args
     tests = kernel.plan(
         parse_counts(prompt_lens, "--prompt-lens"),
         parse_counts(batches, "--batches"),
@@ -161,7 +166,15 @@ def _kernel(model, args, threads, device, quantization, command) -> dict:
         task = bar.add_task("", total=total)
         runs = kernel.run_tests(m, tests, reps, on_rep=lambda: bar.advance(task))
     config = {"threads": threads, "repetitions": reps, "decode_tokens": decode_tokens}
-    return report.document("kernel", command, _model_info(folder, model), config, runs)
+    doc = report.document("kernel", command, _model_info(folder, model), config, runs)
+    if profile:
+        from ..bench.profile import profile_decode
+
+        depth = max(t.depth for t in tests) or 128
+        doc["profile"] = profile_decode(
+            m, batch=1, depth=min(depth, m.artifact.context_window // 2)
+        )
+    return doc
 
 
 def _serve_sim(model, workload, run, where, device, quantization, command) -> dict:

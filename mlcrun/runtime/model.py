@@ -270,6 +270,11 @@ class Model:
         self._end(seq_ids, lengths)
         return out[0].numpy()[:, 0]
 
+    def set_vm_instrument(self, instrument) -> None:
+        """Call `instrument(func, name, before, ret, *args)` around every VM call (None: stop);
+        see tvm.runtime.vm.VirtualMachine.set_instrument. For profiling (bench/profile.py)."""
+        self._vm.set_instrument(instrument)
+
     def batch_verify(
         self,
         embeddings: tvm.runtime.Tensor,

@@ -137,3 +137,18 @@ def test_unreachable_url_is_one_line_error(artifacts):
 )
 def test_bad_counts_are_one_line_errors(artifacts, args, needle):
     one_line_error(bench(artifacts("llama"), *args), needle)
+
+
+def test_kernel_profile_names_the_kernels_of_a_decode_step(artifacts, tmp_path):
+    out = tmp_path / "p.json"
+    args = ("--mode", "kernel", "-p", "8", "-b", "1", "-d", "16", "-n", "2", "-r", "1")
+    result = bench(artifacts("llama"), *args, "--profile", "--json", out)
+    assert result.returncode == 0, result.stderr
+    profile = json.loads(out.read_text())["profile"]
+    assert profile["step_ms"] > 0 and profile["depth"] == 16
+    names = [k["name"] for k in profile["kernels"]]
+    layers = 2  # the tiny llama checkpoint
+    attention = [k for k in profile["kernels"] if "attention" in k["name"]]
+    assert attention and attention[0]["calls"] == layers
+    assert "rms_norm" in names and "VM builtins" in names and "other" in names
+    assert "one decode step" in result.stdout
