@@ -188,26 +188,6 @@ def check_vocab(params: SamplingParams, vocab_size: int) -> None:
             raise MlcrunError(f"{name}: token id {bad[0]} is outside the vocabulary ({vocab_size})")
 
 
-# -- compatibility helpers (the old per-row API) ----------------------------------------------
-
-
-def make_rng(params: SamplingParams) -> np.random.Generator:
-    return SamplerState(params, ()).rng
-
-
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token from one row of logits [V], without token history (no prompt penalties)."""
-    state = SamplerState(params, ())
-    state.rng = rng
-    return sample_batch(np.asarray(logits)[None], [params], [state])[0].token
-
-
-def top_logprobs(logits: np.ndarray, chosen: int, n: int) -> dict[int, float]:
-    """The top-n logprobs of the model's distribution [V], plus the chosen token's."""
-    row = np.asarray(logits)
-    return _top_logprobs(row, float(_logsumexp(row)), int(chosen), n)
-
-
 # -- internals --------------------------------------------------------------------------------
 
 

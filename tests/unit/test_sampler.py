@@ -12,12 +12,9 @@ from mlcrun.engine.sampler import (
     check_vocab,
     draw,
     log_softmax,
-    make_rng,
     probabilities,
     processed_logits,
-    sample,
     sample_batch,
-    top_logprobs,
 )
 from mlcrun.engine.types import SamplingParams
 from mlcrun.errors import MlcrunError
@@ -443,17 +440,7 @@ def test_log_softmax():
     assert got[1, 1] == -np.inf and got[1, 0] == pytest.approx(np.log(0.5))
 
 
-# -- compatibility helpers, shapes ------------------------------------------------------------
-
-
-def test_compatibility_helpers():
-    logits = random_logits(100, seed=16)
-    params = SamplingParams(temperature=1.0, seed=3)
-    a = [sample(logits, params, make_rng(params)) for _ in range(3)]
-    assert a[0] == a[1] == a[2]
-    assert sample(logits, SamplingParams(temperature=0), make_rng(params)) == np.argmax(logits)
-    entry = top_logprobs(logits, chosen=0, n=3)
-    assert set(np.argsort(-logits)[:3].tolist()) | {0} == set(entry)
+# -- shapes and validation -------------------------------------------------------------------------
 
 
 def test_shape_errors():
