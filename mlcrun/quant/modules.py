@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import logging
 
+# isort: off
+from .. import _tvm  # noqa: F401  (first: TVM without torch)
+
+# isort: on
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
 from pathlib import Path
 
+import numpy as np
 import tvm
-from safetensors import safe_open
 from tvm import relax
 
 from .. import abi, artifact
@@ -63,18 +65,69 @@ def _has(vm: relax.VirtualMachine, name: str) -> bool:
     return True
 
 
-def load_params(folder: Path, art: artifact.Artifact, dev) -> list[tvm.runtime.Tensor]:
-    """Params in the order the library's functions take them."""
+def load_params(
+    folder: Path, art: artifact.Artifact, dev, verify: bool = True
+) -> list[tvm.runtime.Tensor]:
+    """Params in the order the library's functions take them.
+
+    Each file is read once, front to back: on the CPU straight into the TVM tensors' memory
+    (no mapping, no intermediate copy, so peak memory is the params themselves), and hashed on
+    the way when `verify` (params altered after compile are refused)."""
+    specs = {p.name: p for p in art.params}
     tensors: dict[str, tvm.runtime.Tensor] = {}
+    digest = hashlib.sha256()
     for name in art.param_files:
-        with safe_open(str(Path(folder) / artifact.PARAMS_DIR / name), "numpy") as f:
-            for key in f.keys():
-                tensors[key] = tvm.runtime.tensor(f.get_tensor(key), dev)
+        path = Path(folder) / artifact.PARAMS_DIR / name
+        if not path.exists():
+            raise MlcrunError(f"{folder}: params file {name} is missing")
+        digest.update(name.encode())
+        with path.open("rb") as f:
+            tensors.update(_read_shard(f, path, specs, dev, digest if verify else None))
+    if verify and digest.hexdigest() != art.params_sha256:
+        raise MlcrunError(
+            f"{folder}: params were modified after compile (hash mismatch); recompile the model"
+        )
     missing = [p.name for p in art.params if p.name not in tensors]
     if missing:
         raise MlcrunError(f"{folder}: param {missing[0]!r} is missing from the params files")
-    for p in art.params:
-        t = tensors[p.name]
-        if tuple(t.shape) != tuple(p.shape) or str(t.dtype) != p.dtype:
-            raise MlcrunError(f"{folder}: param {p.name!r} has the wrong shape or dtype")
     return [tensors[p.name] for p in art.params]
+
+
+def _read_shard(f, path: Path, specs: dict, dev, digest) -> dict[str, tvm.runtime.Tensor]:
+    def read(n: int) -> bytes:
+        data = f.read(n)
+        if len(data) != n:
+            raise MlcrunError(f"{path}: truncated params file")
+        if digest is not None:
+            digest.update(data)
+        return data
+
+    head = read(8)
+    try:
+        header = json.loads(read(struct.unpack("<Q", head)[0]))
+    except (ValueError, MemoryError, OverflowError):
+        raise MlcrunError(f"{path}: corrupt params file header") from None
+    header.pop("__metadata__", None)
+    out = {}
+    pos = 0
+    for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, end = info["data_offsets"]
+        spec = specs.get(key)
+        if spec is None or tuple(info["shape"]) != tuple(spec.shape) or begin < pos:
+            raise MlcrunError(f"{path}: param {key!r} does not match the artifact's config")
+        if begin > pos:
+            read(begin - pos)  # padding between tensors (hashed like the rest of the file)
+        tensor = tvm.runtime.empty(tuple(spec.shape), spec.dtype, tvm.cpu())
+        view = np.from_dlpack(tensor).reshape(-1).view(np.uint8)
+        if view.nbytes != end - begin:
+            raise MlcrunError(f"{path}: param {key!r} has the wrong size")
+        if f.readinto(view) != view.nbytes:
+            raise MlcrunError(f"{path}: truncated params file")
+        if digest is not None:
+            digest.update(view)
+        out[key] = tensor if dev == tvm.cpu(0) else tensor.copyto(dev)
+        pos = end
+    if digest is not None:
+        while chunk := f.read(1 << 20):  # trailing bytes, if any, are part of the hash too
+            digest.update(chunk)
+    return out

@@ -37,13 +37,11 @@ class Model:
                 f"{folder}: library ABI {self.artifact.abi_version} != {abi.ABI_VERSION}; "
                 "recompile the model"
             )
-        if verify:
-            artifact.verify_params(self.folder, self.artifact)
         self.config = ModelConfig.from_dict(self.artifact.model)
         self.device = device_for(self.artifact)
         self.num_threads = set_num_threads(num_threads) if self.artifact.device == "cpu" else 0
         self._vm = load_vm(self.folder, self.artifact, self.device)
-        self._params = load_params(self.folder, self.artifact, self.device)
+        self._params = load_params(self.folder, self.artifact, self.device, verify=verify)
         self._f = {name: self._vm[name] for name in abi.MODEL_FUNCTIONS}
         self._kv = None
         self._lengths: dict[int, int] = {}

@@ -182,6 +182,26 @@ def test_altered_params_detected_at_load(artifacts, tmp_path):
         Model(folder)
 
 
+def test_truncated_params_refused_and_loaded_params_equal_the_files(artifacts, tmp_path):
+    from safetensors.numpy import load_file
+
+    model = Model(artifacts("llama"))
+    files = {}
+    for path in (artifacts("llama") / "params").glob("*.safetensors"):
+        files.update(load_file(str(path)))
+    loaded = dict(zip([p.name for p in model.artifact.params], model._params))
+    assert set(loaded) == set(files)
+    for name, array in files.items():
+        np.testing.assert_array_equal(loaded[name].numpy(), array)
+    folder = tmp_path / "art"
+    shutil.copytree(artifacts("llama"), folder)
+    params = next((folder / "params").glob("*.safetensors"))
+    params.write_bytes(params.read_bytes()[:-100])
+    for verify in (True, False):
+        with pytest.raises(MlcrunError, match="truncated params file"):
+            Model(folder, verify=verify)
+
+
 def test_cuda_compiles_without_a_gpu(ckpt, tmp_path):
     out = tmp_path / "out"
     result = run_cli("compile", ckpt, "-o", out, "--device", "cuda")
