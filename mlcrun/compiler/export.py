@@ -13,6 +13,7 @@ from ..models.common import DecoderLM
 from ..models.config import ModelConfig
 from ..quant import get_preset
 from ..quant.modules import quantize_model
+from .kv_kernels import replace_kv_kernels
 from .workarounds import fix_tree_attn_order
 
 
@@ -26,6 +27,8 @@ def export_model(
         model = quantize_model(DecoderLM(cfg), get_preset(quantization))
         mod, params = model.export_tvm(spec=model.get_default_spec())
     mod = fix_tree_attn_order(mod)
+    if target.kind.name == "llvm":
+        mod = replace_kv_kernels(mod, cfg)
     infos = [(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in params]
     return mod, infos
 

@@ -59,3 +59,24 @@ def test_greedy_tokens_match(pair):
     for want, out in zip(expected, outs):
         assert out.token_ids == want, name
         assert out.finish_reason == "length"
+
+
+def test_chunked_prefill_over_cached_pages(pair):
+    """Prompts fed in ragged chunks: every chunk after the first attends to the sequence's
+    cached pages (the paged prefill kernel) and to itself (the ragged one)."""
+    name, ref, folder = pair
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 320, size=n).tolist() for n in (40, 27)]
+    expected = [reference_logits(ref, p).numpy() for p in prompts]
+    model = Model(folder)
+    for seq_id in (0, 1):
+        model.add_new_sequence(seq_id)
+    done = [0, 0]
+    for chunk in ((17, 5), (9, 13), (14, 9)):
+        parts = [prompts[i][done[i] : done[i] + chunk[i]] for i in (0, 1)]
+        logits = model.batch_prefill(model.token_embed(parts[0] + parts[1]), [0, 1], list(chunk))
+        for i in (0, 1):
+            done[i] += chunk[i]
+            np.testing.assert_allclose(
+                logits[i], expected[i][done[i] - 1], atol=TOL, rtol=0, err_msg=f"{name} {done}"
+            )
