@@ -29,7 +29,9 @@ def compile_command(
     ),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Max tokens per prefill call."),
     max_batch: int = typer.Option(16, "--max-batch", help="Max sequences decoded together."),
-    page_size: int = typer.Option(16, "--page-size", help="Tokens per KV-cache page."),
+    page_size: int = typer.Option(
+        16, "--page-size", help="Tokens per KV-cache page (cpu: 16 only)."
+    ),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT if it exists."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log each phase."),
     list_quantizations: bool = typer.Option(

@@ -39,6 +39,9 @@ class CompileOptions:
             raise MlcrunError("--context-window must be positive")
         if self.page_size not in (8, 16, 32, 64):
             raise MlcrunError("--page-size must be one of 8, 16, 32, 64")
+        if self.device == "cpu" and self.page_size != 16:
+            # TVM 0.27's CPU KV-cache kernels (transpose_append, ...) are built for 16.
+            raise MlcrunError("--page-size must be 16 for --device cpu")
 
 
 DEFAULT_CONTEXT_CAP = 8192

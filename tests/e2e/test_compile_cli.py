@@ -139,6 +139,8 @@ def test_bad_option_values(ckpt, tmp_path):
     out = tmp_path / "out"
     assert_clean_failure(run_cli("compile", ckpt, "-o", out, "-q", "q9f99"), out, "q9f99")
     assert_clean_failure(run_cli("compile", ckpt, "-o", out, "--device", "tpu"), out, "tpu")
+    # TVM's CPU KV-cache kernels only work with 16-token pages (a 32 fails at the first append)
+    assert_clean_failure(run_cli("compile", ckpt, "-o", out, "--page-size", "32"), out, "16")
     assert_clean_failure(
         run_cli("compile", ckpt, "-o", out, "--context-window", "100000"),
         out,
