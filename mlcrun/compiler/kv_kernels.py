@@ -35,6 +35,7 @@ PREFILL_RAGGED_NAME = "batch_prefill_ragged_kv"
 PREFILL_PAGED_NAME = "batch_prefill_paged_kv_cpu"
 CHUNK = 32  # KV rows scored together in the decode kernel's online softmax
 LOG2E = math.log2(math.e)
+LANES = 16  # the attention kernels need head_dim % LANES == 0 (else TVM's are kept)
 
 
 def _cos_sin(rope_scaling: dict, position, scale, i, rotary_dim: int, theta: float):
@@ -140,7 +141,7 @@ def _attend(D: int, kv_at):
     """The shared body: one query row (scaled into `qv`) over `n` K/V rows read by `kv_at`,
     softmax in log2 units with a running max, chunks of CHUNK rows; writes the output row and
     its log2-sum-exp as TVM's kernels do (-5e4 for an empty row)."""
-    lanes = 16 if D % 16 == 0 else D  # partial sums of a dot product, summed at the end
+    lanes = LANES  # partial sums of a dot product, summed at the end
 
     @T.macro
     def attend(qv, kb, vb, page_values, page_size, begin, n, h_kv, output, lse, row, h):
@@ -171,9 +172,14 @@ def _attend(D: int, kv_at):
                             h_kv,
                             d0 * lanes + j,
                         ).astype("float32")
-                score[r] = T.float32(0)
-                for j in T.serial(lanes):
-                    score[r] = score[r] + part[j]
+                # Horizontal sum as a tree (a serial sum is a chain of 16 dependent adds).
+                for j in T.vectorized(8):
+                    part[j] = part[j] + part[j + 8]
+                for j in T.vectorized(4):
+                    part[j] = part[j] + part[j + 4]
+                for j in T.vectorized(2):
+                    part[j] = part[j] + part[j + 2]
+                score[r] = part[0] + part[1]
                 state[2] = T.max(state[2], score[r])
             # Rescale what the earlier chunks summed to the new running max, once per chunk.
             state[3] = T.exp2(state[0] - state[2])
@@ -500,9 +506,10 @@ def replace_kv_kernels(mod: tvm.IRModule, cfg) -> tvm.IRModule:
             cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, "float32"
         ),
     }
-    if cfg.sliding_window:
-        # The cache then applies RoPE inside attention (TVM's "inline" mode, rotary_mode 1),
-        # which our attention kernels do not do: keep TVM's for this model.
+    if cfg.sliding_window or cfg.head_dim % LANES:
+        # A window makes the cache apply RoPE inside attention (TVM's "inline" mode,
+        # rotary_mode 1), which ours do not do; odd head dims do not split into 16 lanes.
+        # Keep TVM's attention kernels for such models.
         for name in (DECODE_NAME, PREFILL_RAGGED_NAME, PREFILL_PAGED_NAME):
             del kernels[name]
     found = {gv.name_hint: gv for gv in mod.get_global_vars()}
