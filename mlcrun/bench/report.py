@@ -187,6 +187,9 @@ def _write_atomic(path: str | Path, mode: str, write: Callable[[IO[Any]], None])
     try:
         with open(fd, mode) as f:
             write(f)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temp, 0o666 & ~umask)  # mkstemp makes it 0600; a result is for everyone
         os.replace(temp, path)
     except BaseException:
         os.unlink(temp)

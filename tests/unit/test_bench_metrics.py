@@ -382,3 +382,17 @@ def test_write_plot_problems(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(MlcrunError, match="--plot needs matplotlib"):
         write_plot(tmp_path / "plot.png", kernel_doc())
+
+
+def test_written_files_get_the_usual_permissions(tmp_path):
+    import os
+    import stat
+
+    from mlcrun.bench.report import write_json
+
+    umask = os.umask(0o022)
+    try:
+        write_json(tmp_path / "out.json", {"a": 1})
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "out.json").stat().st_mode) == 0o644
