@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from ..errors import MlcrunError
-from .common import err_console, handle_errors, setup_logging
+from .common import MODEL_ARGUMENT, RichProgress, err_console, handle_errors, setup_logging
 
 MODES = ("serve-sim", "kernel")
 
@@ -28,9 +28,7 @@ def parse_counts(text: str, name: str, allow_zero: bool = False) -> list[int]:
 
 @handle_errors
 def bench_command(
-    model: str = typer.Argument(
-        None, help="Artifact, HF folder, hub id, GGUF file; default: SmolLM2-135M-Instruct."
-    ),
+    model: str = MODEL_ARGUMENT,
     mode: str = typer.Option("serve-sim", "--mode", help="serve-sim (default) or kernel."),
     url: str = typer.Option(
         None, "--url", help="Run serve-sim against this OpenAI-compatible server instead."
@@ -111,7 +109,6 @@ def bench_command(
 
 def _resolve(model, device, quantization) -> Path:
     from ..default_model import resolve_artifact
-    from .common import RichProgress
 
     with RichProgress() as progress:
         return resolve_artifact(model, quantization=quantization, device=device, progress=progress)

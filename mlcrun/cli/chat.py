@@ -6,14 +6,12 @@ import sys
 
 import typer
 
-from .common import RichProgress, err_console, handle_errors, setup_logging
+from .common import MODEL_ARGUMENT, RichProgress, err_console, handle_errors, setup_logging
 
 
 @handle_errors
 def chat_command(
-    model: str = typer.Argument(
-        None, help="Artifact, HF folder, hub id, GGUF file; default: SmolLM2-135M-Instruct."
-    ),
+    model: str = MODEL_ARGUMENT,
     prompt: str = typer.Option(None, "--prompt", "-p", help="Ask once, print the answer, exit."),
     system: str = typer.Option(None, "--system", help="System message."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),

@@ -24,6 +24,14 @@ from ..errors import MlcrunError
 
 err_console = Console(stderr=True)
 
+# MODEL of chat, serve and bench: anything resolve_artifact accepts, or nothing.
+MODEL_ARGUMENT = typer.Argument(
+    None,
+    metavar="MODEL",
+    help="Artifact, HF folder, hub id, GGUF file; default: SmolLM2-135M-Instruct.",
+    show_default=False,
+)
+
 
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from ..errors import MlcrunError
-from .common import RichProgress, err_console, handle_errors, setup_logging
+from .common import MODEL_ARGUMENT, RichProgress, err_console, handle_errors, setup_logging
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)i?[bB]?\s*$")
 
@@ -29,9 +29,7 @@ def parse_kv_memory(text: str | None) -> float | None:
 
 @handle_errors
 def serve_command(
-    model: str = typer.Argument(
-        None, help="Artifact, HF folder, hub id, GGUF file; default: SmolLM2-135M-Instruct."
-    ),
+    model: str = MODEL_ARGUMENT,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback default)."),
     port: int = typer.Option(8000, "--port", help="Port (0: any free port)."),
     api_key: str = typer.Option(
