@@ -31,7 +31,10 @@ def bench_command(
     model: str = MODEL_ARGUMENT,
     mode: str = typer.Option("serve-sim", "--mode", help="serve-sim (default) or kernel."),
     url: str = typer.Option(
-        None, "--url", help="Run serve-sim against this OpenAI-compatible server instead."
+        None,
+        "--url",
+        help="Run serve-sim against this OpenAI-compatible server instead (MODEL, or the "
+        "default model, supplies the vocabulary and tokenizer: use the served one).",
     ),
     # serve-sim
     num_prompts: int = typer.Option(64, "--num-prompts", help="Requests in the workload."),
