@@ -8,7 +8,13 @@ from pathlib import Path
 import typer
 
 from ..errors import MlcrunError
-from .common import MODEL_ARGUMENT, RichProgress, err_console, handle_errors, setup_logging
+from .common import (
+    MODEL_ARGUMENT,
+    err_console,
+    handle_errors,
+    resolve_model,
+    setup_logging,
+)
 
 MODES = ("serve-sim", "kernel")
 
@@ -110,13 +116,6 @@ def bench_command(
         err_console.print(f"wrote {plot_path}", highlight=False)
 
 
-def _resolve(model, device, quantization) -> Path:
-    from ..default_model import resolve_artifact
-
-    with RichProgress() as progress:
-        return resolve_artifact(model, quantization=quantization, device=device, progress=progress)
-
-
 def _model_info(folder: Path, model: str | None) -> dict:
     from .. import artifact
     from ..default_model import DEFAULT_NAME
@@ -158,7 +157,7 @@ def _kernel(model, args, threads, device, quantization, command) -> dict:
     )
     if decode_tokens <= 0 or reps <= 0:
         raise MlcrunError("--decode-tokens and --repetitions must be positive")
-    folder = _resolve(model, device, quantization)
+    folder = resolve_model(model, quantization=quantization, device=device)
     m = Model(folder, num_threads=threads)
     kernel.check_fits(m, tests)
     bar, total = _progress(len(tests) * reps, "kernel tests")
@@ -187,7 +186,7 @@ def _serve_sim(model, workload, run, where, device, quantization, command) -> di
         raise MlcrunError(f"--num-prompts must be positive, got {num_prompts}")
     in_span = parse_len(input_len, "--input-len")
     out_span = parse_len(output_len, "--output-len") if output_len is not None else None
-    folder = _resolve(model, device, quantization)
+    folder = resolve_model(model, quantization=quantization, device=device)
     from .. import artifact
 
     art = artifact.read(folder)

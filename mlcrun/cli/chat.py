@@ -6,7 +6,13 @@ import sys
 
 import typer
 
-from .common import MODEL_ARGUMENT, RichProgress, err_console, handle_errors, setup_logging
+from .common import (
+    MODEL_ARGUMENT,
+    err_console,
+    handle_errors,
+    resolve_model,
+    setup_logging,
+)
 
 
 @handle_errors
@@ -40,7 +46,6 @@ def chat_command(
     """Chat with a model: an interactive REPL, or one answer per --prompt / stdin line."""
     setup_logging(verbose)
     from ..chat import Conversation
-    from ..default_model import resolve_artifact
     from ..engine.config import EngineConfig
     from ..engine.types import SamplingParams
     from ..llm import LLM
@@ -57,14 +62,9 @@ def chat_command(
         seed=seed,
         stop=tuple(stop or ()),
     )
-    with RichProgress() as progress:
-        folder = resolve_artifact(
-            model,
-            quantization=quantization,
-            device=device,
-            context_window=context_window,
-            progress=progress,
-        )
+    folder = resolve_model(
+        model, quantization=quantization, device=device, context_window=context_window
+    )
     llm = LLM(folder, engine_config=EngineConfig(mode="interactive"))
     conv = Conversation(llm, params, system=system)
     if prompt is not None:

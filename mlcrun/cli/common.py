@@ -107,3 +107,12 @@ class RichProgress:
             task = self._progress.tasks[self._task]
             self._progress.update(self._task, total=task.total or 1, completed=task.total or 1)
             self._task = None
+
+
+def resolve_model(model: str | None, **compile_options: Any):
+    """The artifact folder for MODEL (default model when None), compiling it into
+    $MLCRUN_HOME with a progress bar when needed (default_model.resolve_artifact)."""
+    from ..default_model import resolve_artifact
+
+    with RichProgress() as progress:
+        return resolve_artifact(model, progress=progress, **compile_options)

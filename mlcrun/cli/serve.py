@@ -8,7 +8,13 @@ from pathlib import Path
 import typer
 
 from ..errors import MlcrunError
-from .common import MODEL_ARGUMENT, RichProgress, err_console, handle_errors, setup_logging
+from .common import (
+    MODEL_ARGUMENT,
+    err_console,
+    handle_errors,
+    resolve_model,
+    setup_logging,
+)
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)i?[bB]?\s*$")
 
@@ -61,7 +67,7 @@ def serve_command(
     """Serve a model over the OpenAI API (completions, chat, streaming, structured output)."""
     setup_logging(verbose)
     _access_log()
-    from ..default_model import DEFAULT_NAME, resolve_artifact
+    from ..default_model import DEFAULT_NAME
     from ..engine.config import EngineConfig
 
     if max_queue < 0 or max_request_bytes <= 0 or shutdown_timeout < 0:
@@ -72,10 +78,7 @@ def serve_command(
         kv_memory=parse_kv_memory(kv_memory),
         prefix_cache=prefix_cache,
     )
-    with RichProgress() as progress:
-        folder = resolve_artifact(
-            model, quantization=quantization, device=device, progress=progress
-        )
+    folder = resolve_model(model, quantization=quantization, device=device)
     from ..llm import LLM
     from ..serve.server import run_server
     from ..serve.service import ServeOptions
