@@ -36,12 +36,12 @@ def resolve_quantization(requested: str, source: TensorSource) -> str:
         return requested
     layers: dict[str, int] = {}
     tables: dict[str, int] = {}
-    dtype = getattr(source, "dtype", None)
     for name in source.names():
         shape = source.shape(name)
-        if len(shape) == 2 and dtype is not None:
+        if len(shape) == 2:
             counts = tables if is_embedding_weight(name) else layers
-            counts[dtype(name)] = counts.get(dtype(name), 0) + int(np.prod(shape))
+            kind = source.dtype(name)
+            counts[kind] = counts.get(kind, 0) + int(np.prod(shape))
     preset = auto_preset(layers, tables)
     log.info("--quantization auto: %s (layers %s, embedding %s)", preset, layers, tables)
     return preset
@@ -91,10 +91,10 @@ def write_params(
         if rule.name not in wanted:
             continue
         arrays = exact_rule_params(preset, rule, source)
-        if arrays is not None and all(name in expected for name in arrays):
-            exact += 1
-        else:
+        if arrays is None:
             arrays = weight_transform(preset, rule.name, convert_rule(source, rule))
+        else:
+            exact += 1
         for name, array in arrays.items():
             if name not in expected:
                 raise MlcrunError(f"{quantization}: param {name!r} is not one of the model's")
