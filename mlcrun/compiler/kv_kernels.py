@@ -157,14 +157,17 @@ def _exp2_nonpositive(x):
 
 
 def _attend(D: int, kv_at):
-    """The shared body: one query row (scaled into `qv`) over `n` K/V rows read by `kv_at`,
+    """The shared body: query row `row` of head `h` over `n` K/V rows read by `kv_at`,
     softmax in log2 units with a running max, chunks of CHUNK rows; writes the output row and
     its log2-sum-exp as TVM's kernels do (-5e4 for an empty row)."""
     lanes = LANES  # partial sums of a dot product, summed at the end
 
     @T.macro
-    def attend(qv, kb, vb, page_values, page_size, begin, n, h_kv, output, lse, row, h):
+    def attend(q, sm_scale, kb, vb, page_values, page_size, begin, n, h_kv, output, lse, row, h):
+        qv = T.sblock_alloc_buffer((D,), "float32")
         acc = T.sblock_alloc_buffer((D,), "float32")
+        for d in T.vectorized(D):
+            qv[d] = q[row, h, d].astype("float32") * (sm_scale * LOG2E)
         part = T.sblock_alloc_buffer((lanes,), "float32")
         score = T.sblock_alloc_buffer((CHUNK,), "float32")
         # running max, running sum, new max, rescale factor
@@ -223,6 +226,31 @@ def _attend(D: int, kv_at):
         lse[row, h] = T.if_then_else(n > 0, state[0] + T.log2(state[1]), T.float32(-5e4))
 
     return attend
+
+
+def _paged_len(indptr, last_page_len, page_size, b):
+    """Tokens in sequence b's pages: full pages plus the used part of the last one."""
+    return T.if_then_else(
+        indptr[b] != indptr[b + 1],
+        (indptr[b + 1] - indptr[b] - 1) * page_size + last_page_len[b],
+        0,
+    )
+
+
+def _causal_len(causal, kv_n, q_indptr, b, row):
+    """Keys query `row` of sequence b sees: all kv_n, or (causal) up to its own position, the
+    chunk's rows being the last of the sequence's keys."""
+    q_n = q_indptr[b + 1] - q_indptr[b]
+    return T.if_then_else(causal > 0, kv_n - q_n + (row - q_indptr[b]) + 1, kv_n)
+
+
+@T.macro
+def _find_sequence(seq, q_indptr, batch_size, row):
+    """seq[0] = the sequence whose query rows include `row`."""
+    seq[0] = 0
+    for i in T.serial(batch_size):
+        if q_indptr[i + 1] <= row:
+            seq[0] = i + 1
 
 
 def _balanced(p, count):
@@ -289,23 +317,17 @@ def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype:
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
-                qv = T.sblock_alloc_buffer((D,), "float32")
                 b = bh // H_qo
                 h = bh % H_qo
-                begin = page_table_indptr[b]
-                end = page_table_indptr[b + 1]
-                for d in T.vectorized(D):
-                    qv[d] = Q[b, h, d].astype("float32") * (sm_scale * LOG2E)
                 attend(
-                    qv,
+                    Q,
+                    sm_scale,
                     pages,
                     pages,
                     page_table_values,
                     page_size,
-                    begin,
-                    T.if_then_else(
-                        begin != end, (end - begin - 1) * page_size + last_page_len[b], 0
-                    ),
+                    page_table_indptr[b],
+                    _paged_len(page_table_indptr, last_page_len, page_size, b),
                     h // group,
                     output,
                     lse,
@@ -371,27 +393,20 @@ def prefill_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
-                qv = T.sblock_alloc_buffer((D,), "float32")
                 seq = T.sblock_alloc_buffer((1,), "int32")
                 row = _balanced(task // H_qo, qo_len)
                 h = task % H_qo
-                seq[0] = 0
-                for i in T.serial(batch_size):  # the sequence this row belongs to
-                    if q_indptr[i + 1] <= row:
-                        seq[0] = i + 1
+                _find_sequence(seq, q_indptr, batch_size, row)
                 b = seq[0]
-                q_n = q_indptr[b + 1] - q_indptr[b]
-                kv_n = kv_indptr[b + 1] - kv_indptr[b]
-                for d in T.vectorized(D):
-                    qv[d] = q[row, h, d].astype("float32") * (sm_scale * LOG2E)
                 attend(
-                    qv,
+                    q,
+                    sm_scale,
                     k,
                     v,
                     q_indptr,
                     0,
                     kv_indptr[b],
-                    T.if_then_else(causal > 0, kv_n - q_n + (row - q_indptr[b]) + 1, kv_n),
+                    _causal_len(causal, kv_indptr[b + 1] - kv_indptr[b], q_indptr, b, row),
                     h // group,
                     output,
                     lse,
@@ -470,31 +485,26 @@ def prefill_paged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
-                qv = T.sblock_alloc_buffer((D,), "float32")
                 seq = T.sblock_alloc_buffer((1,), "int32")
                 row = _balanced(task // H_qo, total_len)
                 h = task % H_qo
-                seq[0] = 0
-                for i in T.serial(batch_size):  # the sequence this row belongs to
-                    if q_indptr[i + 1] <= row:
-                        seq[0] = i + 1
+                _find_sequence(seq, q_indptr, batch_size, row)
                 b = seq[0]
-                begin = page_indptr[b]
-                end = page_indptr[b + 1]
-                q_n = q_indptr[b + 1] - q_indptr[b]
-                kv_n = T.if_then_else(
-                    begin != end, (end - begin - 1) * page_size + last_page_len[b], 0
-                )
-                for d in T.vectorized(D):
-                    qv[d] = q[row, h, d].astype("float32") * (sm_scale * LOG2E)
                 attend(
-                    qv,
+                    q,
+                    sm_scale,
                     pages,
                     pages,
                     page_values,
                     page_size,
-                    begin,
-                    T.if_then_else(causal > 0, kv_n - q_n + (row - q_indptr[b]) + 1, kv_n),
+                    page_indptr[b],
+                    _causal_len(
+                        causal,
+                        _paged_len(page_indptr, last_page_len, page_size, b),
+                        q_indptr,
+                        b,
+                        row,
+                    ),
                     h // group,
                     output,
                     lse,
