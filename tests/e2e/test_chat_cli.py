@@ -63,30 +63,13 @@ def test_errors_are_one_line_on_stderr(tmp_path):
 def test_hf_folder_is_compiled_once_into_mlcrun_home(checkpoints, tmp_path):
     home = tmp_path / "home"
     env = {"MLCRUN_HOME": str(home)}
-    first = run_chat(
-        checkpoints("qwen2-tied"),
-        "--prompt",
-        "hi",
-        "--max-tokens",
-        "3",
-        "--context-window",
-        "128",
-        env=env,
-    )
+    args = ("--prompt", "hi", "--max-tokens", "3", "--context-window", "128")
+    first = run_chat(checkpoints("qwen2-tied"), *args, env=env)
     assert first.returncode == 0, first.stderr
     (artifact,) = (home / "models").iterdir()
     assert json.loads((artifact / "mlcrun-config.json").read_text())["context_window"] == 128
     stamp = (artifact / "mlcrun-config.json").stat().st_mtime_ns
-    second = run_chat(
-        checkpoints("qwen2-tied"),
-        "--prompt",
-        "hi",
-        "--max-tokens",
-        "3",
-        "--context-window",
-        "128",
-        env=env,
-    )
+    second = run_chat(checkpoints("qwen2-tied"), *args, env=env)
     assert second.returncode == 0, second.stderr
     assert (artifact / "mlcrun-config.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
 
