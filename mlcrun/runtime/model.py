@@ -11,8 +11,10 @@ multi-token chunk, the ragged attention is not windowed, so once a sequence reac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +24,39 @@ from tvm.runtime import ShapeTuple
 
 from .. import abi, artifact
 from ..errors import MlcrunError
-from ..models.config import ModelConfig
 from .library import device_for, load_params, load_vm, set_num_threads
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few facts of the model's config that running it needs (from the artifact)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelShape:
+        try:
+            return cls(
+                vocab_size=int(data["vocab_size"]),
+                hidden_size=int(data["hidden_size"]),
+                num_hidden_layers=int(data["num_hidden_layers"]),
+                num_key_value_heads=int(data["num_key_value_heads"]),
+                head_dim=int(data["head_dim"]),
+                sliding_window=data.get("sliding_window"),
+                eos_token_ids=tuple(int(t) for t in data.get("eos_token_ids", ())),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise MlcrunError(
+                f"mlcrun-config.json: the model entry is incomplete ({err})"
+            ) from None
 
 
 class Model:
@@ -37,14 +68,13 @@ class Model:
                 f"{folder}: library ABI {self.artifact.abi_version} != {abi.ABI_VERSION}; "
                 "recompile the model"
             )
-        self.config = ModelConfig.from_dict(self.artifact.model)
+        self.config = ModelShape.from_dict(self.artifact.model)
         self.device = device_for(self.artifact)
         self.num_threads = set_num_threads(num_threads) if self.artifact.device == "cpu" else 0
         self._vm = load_vm(self.folder, self.artifact, self.device)
         self._params = load_params(self.folder, self.artifact, self.device, verify=verify)
         self._f = {name: self._vm[name] for name in abi.MODEL_FUNCTIONS}
         self._kv = None
-        self._lengths: dict[int, int] = {}
         self._kv_settings: dict[str, int] = {}
         self._trees: dict[int, tuple[list[int], np.ndarray]] = {}  # last verified trees
 
@@ -97,7 +127,7 @@ class Model:
             ShapeTuple([1 if self.config.sliding_window else 0]),
         )
         self._kv_settings = s
-        self._lengths = {}
+        self._trees = {}
 
     @property
     def kv(self):
@@ -106,37 +136,35 @@ class Model:
         return self._kv
 
     def add_new_sequence(self, seq_id: int) -> None:
-        if seq_id in self._lengths:
+        if self._exists(seq_id):
             raise MlcrunError(f"sequence {seq_id} already exists in the KV cache")
         _call(abi.KV_ADD_SEQUENCE, self.kv, seq_id)
-        self._lengths[seq_id] = 0
         if self.config.sliding_window:
             self.enable_sliding_window_for_seq(seq_id)
 
     def fork_sequence(self, parent_seq_id: int, child_seq_id: int, fork_pos: int = -1) -> None:
         self._check(parent_seq_id)
+        if self._exists(child_seq_id):
+            raise MlcrunError(f"sequence {child_seq_id} already exists in the KV cache")
         _call(abi.KV_FORK_SEQUENCE, self.kv, parent_seq_id, child_seq_id, fork_pos)
-        parent_len = self._lengths[parent_seq_id]
-        self._lengths[child_seq_id] = parent_len if fork_pos < 0 else fork_pos
 
     def remove_sequence(self, seq_id: int) -> None:
         self._check(seq_id)
         _call(abi.KV_REMOVE_SEQUENCE, self.kv, seq_id)
-        del self._lengths[seq_id]
 
     def popn(self, seq_id: int, num_tokens: int) -> None:
-        self._check(seq_id)
-        if not 0 <= num_tokens <= self._lengths[seq_id]:
+        if not 0 <= num_tokens <= self.sequence_length(seq_id):
             raise MlcrunError(f"cannot pop {num_tokens} tokens from sequence {seq_id}")
         if num_tokens:
             _call(abi.KV_POPN, self.kv, seq_id, num_tokens)
-            self._lengths[seq_id] -= num_tokens
 
     def commit_accepted_token_tree_nodes(
         self, seq_ids: Sequence[int], accepted_leaf_indices: Sequence[int]
     ) -> None:
         """Keep the path root -> accepted leaf of each sequence's last verified tree. Must name
         the same sequences, in the same order, as the last batch_verify."""
+        if list(self._trees) != list(seq_ids):
+            raise MlcrunError("commit must name the sequences of the last batch_verify, in order")
         paths = {}
         for seq_id, leaf in zip(seq_ids, accepted_leaf_indices, strict=True):
             parents, _ = self._trees[seq_id]
@@ -147,9 +175,10 @@ class Model:
                 path.append(leaf)
                 leaf = parents[leaf]
             paths[seq_id] = path[::-1]
+        trees, self._trees = self._trees, {}
         needs_copy = any(path != list(range(len(path))) for path in paths.values())
         if len(seq_ids) > 1 and needs_copy:
-            self._commit_by_recompute(list(seq_ids), paths)
+            self._commit_by_recompute(trees, paths)
         else:
             _call(
                 abi.KV_COMMIT_TREE,
@@ -157,23 +186,19 @@ class Model:
                 ShapeTuple(list(seq_ids)),
                 ShapeTuple(list(accepted_leaf_indices)),
             )
-            for seq_id, path in paths.items():
-                self._lengths[seq_id] += len(path)
-        self._trees = {}
 
-    def _commit_by_recompute(self, seq_ids: list[int], paths: dict[int, list[int]]) -> None:
+    def _commit_by_recompute(self, trees, paths: dict[int, list[int]]) -> None:
         """TVM-0.27-TREE-COMMIT: with several sequences in one commit, apache-tvm 0.27's CPU
         KV cache sometimes moves accepted nodes to the wrong slots (a sequence whose path is
         not already contiguous gets corrupted K/V). Instead, keep only each tree's root, then
         prefill the rest of each accepted path again: the same K/V, one extra small forward.
         tests/compiled/test_kv.py::test_upstream_multi_sequence_commit_bug fails once fixed."""
+        seq_ids = list(paths)
         _call(abi.KV_COMMIT_TREE, self.kv, ShapeTuple(seq_ids), ShapeTuple([0] * len(seq_ids)))
         rows, redo, lengths = [], [], []
-        for seq_id in seq_ids:
-            self._lengths[seq_id] += 1
-            path = paths[seq_id]
+        for seq_id, path in paths.items():
             if len(path) > 1:
-                rows.append(self._trees[seq_id][1][path[1:]])
+                rows.append(trees[seq_id][1][path[1:]])
                 redo.append(seq_id)
                 lengths.append(len(path) - 1)
         if redo:
@@ -191,14 +216,16 @@ class Model:
         return int(_call(abi.KV_TOTAL_LENGTH, self.kv))
 
     def sequence_length(self, seq_id: int) -> int:
-        self._check(seq_id)
-        return self._lengths[seq_id]
+        """Tokens of `seq_id` in the cache (TVM's own count: the runtime keeps no mirror)."""
+        try:
+            return int(_call(abi.KV_SEQUENCE_LENGTH, self.kv, seq_id))
+        except tvm.error.InternalError:
+            raise MlcrunError(f"sequence {seq_id} is not in the KV cache") from None
 
     def reset(self) -> None:
         """Drop every sequence (the cache's memory stays allocated)."""
         if self._kv is not None:
             _call(abi.KV_CLEAR, self._kv)
-        self._lengths = {}
         self._trees = {}
 
     # ---------------------------------------------------------------- compute
@@ -216,7 +243,7 @@ class Model:
         sequences; returns the logits after each sequence's last token [len(seq_ids), vocab]."""
         self._check_batch(seq_ids, lengths, embeddings)
         window = self.config.sliding_window
-        if window and any(self._lengths[s] + n > window for s, n in zip(seq_ids, lengths)):
+        if window and any(self.sequence_length(s) + n > window for s, n in zip(seq_ids, lengths)):
             return self._prefill_windowed(embeddings, seq_ids, lengths, window)
         return self._prefill(embeddings, seq_ids, lengths)
 
@@ -224,11 +251,9 @@ class Model:
         hidden = self.config.hidden_size
         positions = np.cumsum(lengths, dtype=np.int32) - 1
         x = embeddings._create_view((1, int(sum(lengths)), hidden))
-        self._begin(seq_ids, lengths)
-        out = self._f[abi.BATCH_PREFILL](
-            x, tvm.runtime.tensor(positions, self.device), self.kv, self._params
+        out = self._forward(
+            abi.BATCH_PREFILL, [x, tvm.runtime.tensor(positions, self.device)], seq_ids, lengths
         )
-        self._end(seq_ids, lengths)
         return out[0].numpy()[0]
 
     def _prefill_windowed(self, embeddings, seq_ids, lengths, window) -> np.ndarray:
@@ -240,7 +265,7 @@ class Model:
         while todo:
             batch, rows = [], []
             for i, (begin, end) in todo.items():
-                room = max(window - self._lengths[seq_ids[i]], 1)
+                room = max(window - self.sequence_length(seq_ids[i]), 1)
                 take = min(end - begin, room)
                 batch.append((i, take))
                 rows.append(emb[begin : begin + take])
@@ -263,9 +288,7 @@ class Model:
         lengths = [1] * len(seq_ids)
         self._check_batch(seq_ids, lengths, embeddings)
         x = embeddings._create_view((len(seq_ids), 1, self.config.hidden_size))
-        self._begin(seq_ids, lengths)
-        out = self._f[abi.BATCH_DECODE](x, self.kv, self._params)
-        self._end(seq_ids, lengths)
+        out = self._forward(abi.BATCH_DECODE, [x], seq_ids, lengths)
         return out[0].numpy()[:, 0]
 
     def set_vm_instrument(self, instrument) -> None:
@@ -288,15 +311,7 @@ class Model:
         if len(parents) != sum(lengths):
             raise MlcrunError("token_tree_parent_ptr must have one entry per tree node")
         x = embeddings._create_view((1, int(sum(lengths)), self.config.hidden_size))
-        _call(
-            abi.KV_BEGIN_FORWARD,
-            self.kv,
-            ShapeTuple(list(seq_ids)),
-            ShapeTuple(list(lengths)),
-            ShapeTuple(parents),
-        )
-        out = self._f[abi.BATCH_VERIFY](x, self.kv, self._params)
-        _call(abi.KV_END_FORWARD, self.kv)
+        out = self._forward(abi.BATCH_VERIFY, [x], seq_ids, lengths, parents)
         rows = embeddings.numpy()
         offset = 0
         for seq_id, n in zip(seq_ids, lengths):
@@ -306,17 +321,33 @@ class Model:
         return out[0].numpy()[0]
 
     # ---------------------------------------------------------------- helpers
-    def _begin(self, seq_ids, lengths) -> None:
-        _call(abi.KV_BEGIN_FORWARD, self.kv, ShapeTuple(list(seq_ids)), ShapeTuple(list(lengths)))
-
-    def _end(self, seq_ids, lengths) -> None:
+    def _forward(self, name: str, inputs: list, seq_ids, lengths, parents=None):
+        """Run one exported forward between the cache's begin_forward and end_forward (the
+        latter also when the forward fails, so that the cache takes the next one)."""
+        if self._trees:
+            raise MlcrunError("commit the last batch_verify before the next forward")
+        shape = [ShapeTuple(list(seq_ids)), ShapeTuple(list(lengths))]
+        if parents is not None:
+            shape.append(ShapeTuple(parents))
+        _call(abi.KV_BEGIN_FORWARD, self.kv, *shape)
+        try:
+            out = self._f[name](*inputs, self.kv, self._params)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                _call(abi.KV_END_FORWARD, self.kv)
+            raise
         _call(abi.KV_END_FORWARD, self.kv)
-        for seq_id, n in zip(seq_ids, lengths):
-            self._lengths[seq_id] += n
+        return out
+
+    def _exists(self, seq_id: int) -> bool:
+        try:
+            self.sequence_length(seq_id)
+        except MlcrunError:
+            return False
+        return True
 
     def _check(self, seq_id: int) -> None:
-        if seq_id not in self._lengths:
-            raise MlcrunError(f"sequence {seq_id} is not in the KV cache")
+        self.sequence_length(seq_id)  # raises naming the sequence when it is not there
 
     def _check_batch(self, seq_ids, lengths, embeddings) -> None:
         if len(seq_ids) != len(lengths) or len(set(seq_ids)) != len(seq_ids):
@@ -325,10 +356,10 @@ class Model:
             raise MlcrunError(f"{embeddings.shape[0]} embeddings for {sum(lengths)} tokens")
         limit = self.artifact.context_window
         for seq_id, n in zip(seq_ids, lengths):
-            self._check(seq_id)
-            if self._lengths[seq_id] + n > limit:
+            length = self.sequence_length(seq_id)
+            if length + n > limit:
                 raise MlcrunError(
-                    f"sequence {seq_id} would reach {self._lengths[seq_id] + n} tokens, "
+                    f"sequence {seq_id} would reach {length + n} tokens, "
                     f"over the context window of {limit}"
                 )
 
