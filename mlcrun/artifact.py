@@ -3,7 +3,11 @@
 DIR/mlcrun-config.json   everything the runtime needs to know (this module's Artifact)
 DIR/params/*.safetensors converted weights, named by our param names
 DIR/lib/<target>.so      the TVM library (it carries its own metadata, see abi.METADATA)
-DIR/tokenizer files
+DIR/tokenizer files      TOKENIZER_FILES, those the checkpoint has
+
+The library is native code that loading runs, so the config may only name files inside the
+folder (checked by `read`) and the library's bytes must hash to `library_sha256` (checked by
+`verify_library` before it is loaded).
 """
 
 from __future__ import annotations
@@ -16,10 +20,25 @@ from typing import Any
 
 from .errors import MlcrunError
 
-FORMAT_VERSION = 1
+# 2: library_sha256. Older artifacts get read's "recompile" message rather than loading a
+# library nothing vouches for.
+FORMAT_VERSION = 2
 CONFIG_FILE = "mlcrun-config.json"
 PARAMS_DIR = "params"
 LIB_DIR = "lib"
+
+# What a compile copies from the checkpoint, when present, so that `Tokenizer.from_dir` works
+# on the artifact.
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +62,7 @@ class Artifact:
     param_files: tuple[str, ...]
     params: tuple[TensorInfo, ...]
     params_sha256: str
+    library_sha256: str  # sha256 of the .so's bytes, as `sha256sum` prints it
     abi_version: int
     mlcrun_version: str
     source_fingerprint: str
@@ -81,15 +101,18 @@ class Artifact:
 
 
 def read(folder: Path) -> Artifact:
-    """Read and validate the config of an artifact folder (not the params hash: see verify)."""
+    """Read and validate the config of an artifact folder (not the hashes: see verify_*)."""
     folder = Path(folder)
     path = folder / CONFIG_FILE
     if not path.exists():
         raise MlcrunError(f"{folder} is not an mlcrun artifact (no {CONFIG_FILE})")
     try:
-        version = json.loads(path.read_text()).get("format_version")
+        data = json.loads(path.read_text())
     except ValueError as err:
         raise MlcrunError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise MlcrunError(f"{path}: malformed artifact config (not a JSON object)")
+    version = data.get("format_version")
     if version != FORMAT_VERSION:
         raise MlcrunError(
             f"{folder}: artifact format {version} is not supported by this mlcrun "
@@ -99,19 +122,65 @@ def read(folder: Path) -> Artifact:
         art = Artifact.from_json(path.read_text())
     except (TypeError, KeyError) as err:
         raise MlcrunError(f"{path}: malformed artifact config ({err})") from None
-    if not (folder / art.library).exists():
+    _check_inside(folder, folder, art.library, "library")
+    for name in art.param_files:
+        _check_inside(folder, folder / PARAMS_DIR, name, "param_files")
+    for name in art.tokenizer_files:
+        _check_inside(folder, folder, name, "tokenizer_files")
+    if not (folder / art.library).is_file():
         raise MlcrunError(f"{folder}: library {art.library} is missing")
     return art
+
+
+def _check_inside(folder: Path, base: Path, entry: Any, key: str) -> None:
+    """Refuse a config entry naming a file outside the artifact folder: the config must not
+    be able to make us load (and, for the library, run) anything but what was compiled."""
+    where = f"{folder}: {CONFIG_FILE} entry {key} {entry!r}"
+    if not isinstance(entry, str) or not entry:
+        raise MlcrunError(f"{where} is not a file name")
+    rel = Path(entry)
+    # Checked on the text first: `..` is refused even where it would land back inside.
+    if rel.is_absolute() or ".." in rel.parts:
+        raise MlcrunError(f"{where} points outside the artifact folder")
+    resolved = (base / rel).resolve()
+    if folder.resolve() not in resolved.parents:  # a symlink leading out, or the folder itself
+        raise MlcrunError(f"{where} resolves outside the artifact folder (to {resolved})")
+
+
+def verify_library(folder: Path, art: Artifact) -> Path:
+    """The library's path, once its bytes are those compiled; call before loading it."""
+    path = Path(folder) / art.library
+    try:
+        digest = hash_file(path)
+    except OSError as err:
+        raise MlcrunError(f"{path}: cannot read the library ({err.strerror})") from None
+    if digest != art.library_sha256:
+        raise MlcrunError(
+            f"{path}: the library's sha256 does not match library_sha256 in {CONFIG_FILE} "
+            "(modified after compile); recompile the model"
+        )
+    return path
+
+
+def hash_file(path: Path) -> str:
+    """sha256 of one file's bytes (what `sha256sum` prints)."""
+    digest = hashlib.sha256()
+    _feed(digest, Path(path))
+    return digest.hexdigest()
 
 
 def hash_files(files: list[Path]) -> str:
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode())
-        with file.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
+        _feed(digest, file)
     return digest.hexdigest()
+
+
+def _feed(digest: Any, path: Path) -> None:
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):  # in chunks: libraries and params can be GBs
+            digest.update(chunk)
 
 
 def verify_params(folder: Path, art: Artifact) -> None:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from . import env
+from .errors import MlcrunError
 
 
 def mlcrun_home() -> Path:
-    return Path(os.environ.get("MLCRUN_HOME") or Path.home() / ".cache" / "mlcrun")
+    text = env.value(env.MLCRUN_HOME)
+    if text is None:
+        return Path.home() / ".cache" / "mlcrun"
+    home = Path(text).expanduser()  # a quoted "~/x" is not expanded by the shell
+    if home.exists() and not home.is_dir():
+        raise MlcrunError(f"{env.MLCRUN_HOME}={text} is not a directory")
+    return home

@@ -30,21 +30,11 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
+# Re-exported: the list lives with the artifact layout, which the compiler may import.
+from mlcrun.artifact import TOKENIZER_FILES as TOKENIZER_FILES
 from mlcrun.errors import MlcrunError
 
 logger = logging.getLogger(__name__)
-
-# Files an artifact copies next to the compiled library so that `Tokenizer.from_dir` works on it.
-TOKENIZER_FILES: tuple[str, ...] = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "generation_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-)
 
 _REPLACEMENT_CHAR = "\ufffd"
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")

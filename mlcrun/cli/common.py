@@ -112,7 +112,10 @@ class RichProgress:
 def resolve_model(model: str | None, **compile_options: Any):
     """The artifact folder for MODEL (default model when None), compiling it into
     $MLCRUN_HOME with a progress bar when needed (default_model.resolve_artifact)."""
+    from .. import env
     from ..default_model import resolve_artifact
+
+    env.tvm_num_threads()  # read when the model loads: a bad value fails now, not after a compile
 
     with RichProgress() as progress:
         return resolve_artifact(model, progress=progress, **compile_options)

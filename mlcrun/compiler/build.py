@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import tvm
@@ -15,7 +16,6 @@ from .. import __version__, abi, artifact
 from ..errors import MlcrunError
 from ..models import registry
 from ..models.config import ModelConfig
-from ..tokenizer import TOKENIZER_FILES
 from ..weights.checkpoint import open_checkpoint
 from .export import attach_metadata, export_model
 from .options import DEFAULT_CONTEXT_CAP, CompileOptions
@@ -77,6 +77,7 @@ def compile_model(
             param_files=tuple(f.name for f in files),
             params=tuple(artifact.TensorInfo(n, s, d) for n, s, d in params),
             params_sha256=artifact.hash_files(files),
+            library_sha256="",  # known once the library is built, below
             abi_version=abi.ABI_VERSION,
             mlcrun_version=__version__,
             source_fingerprint=fingerprint,
@@ -87,6 +88,7 @@ def compile_model(
         progress.phase(f"Compiling for {options.device} ({target.kind.name})")
         mod = attach_metadata(mod, art.library_metadata())
         _build_library(mod, target, tmp / art.library)
+        art = replace(art, library_sha256=artifact.hash_file(tmp / art.library))
         progress.done()
         (tmp / artifact.CONFIG_FILE).write_text(art.to_json())
         _replace(tmp, out)
@@ -151,15 +153,21 @@ def is_up_to_date(model: str, out: Path, options: CompileOptions) -> bool:
 
 
 def _up_to_date(out: Path, fingerprint: str) -> bool:
+    """Same fingerprint and an intact library: a library altered after compile would otherwise
+    be kept by every later compile (and the $MLCRUN_HOME cache), and refused at every load."""
     try:
-        return artifact.read(out).source_fingerprint == fingerprint
+        art = artifact.read(out)
+        if art.source_fingerprint != fingerprint:
+            return False
+        artifact.verify_library(out, art)
     except MlcrunError:
         return False
+    return True
 
 
 def _copy_tokenizer(folder: Path, tmp: Path) -> tuple[str, ...]:
     copied = []
-    for name in TOKENIZER_FILES:
+    for name in artifact.TOKENIZER_FILES:
         if (folder / name).exists():
             shutil.copy2(folder / name, tmp / name)
             copied.append(name)

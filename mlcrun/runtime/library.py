@@ -12,7 +12,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .. import abi, artifact
+from .. import abi, artifact, env
 from ..errors import MlcrunError
 
 
@@ -30,14 +30,17 @@ def set_num_threads(num_threads: int | None) -> int:
 
     In apache-tvm 0.27 only TVM_NUM_THREADS works (runtime.config_threadpool is a no-op), and
     it is read when the pool starts, at the first parallel kernel: the first Model loaded in
-    a process decides. An explicit TVM_NUM_THREADS in the environment wins over the default."""
-    n = num_threads or int(os.environ.get("TVM_NUM_THREADS", 0)) or len(os.sched_getaffinity(0))
-    os.environ["TVM_NUM_THREADS"] = str(n)
+    a process decides. An explicit TVM_NUM_THREADS in the environment wins over the default
+    (it is checked even when `num_threads` overrides it, so a malformed value never passes)."""
+    from_env = env.tvm_num_threads()
+    n = num_threads or from_env or len(os.sched_getaffinity(0))
+    os.environ[env.TVM_NUM_THREADS] = str(n)
     return n
 
 
 def load_vm(folder: Path, art: artifact.Artifact, dev) -> relax.VirtualMachine:
-    path = Path(folder) / art.library
+    # Loading a .so runs its code: only the bytes that were compiled get that far.
+    path = artifact.verify_library(folder, art)
     try:
         lib = tvm.runtime.load_module(str(path))
     except Exception as err:  # TVM raises its own error types for a bad .so
@@ -58,9 +61,11 @@ def load_vm(folder: Path, art: artifact.Artifact, dev) -> relax.VirtualMachine:
 
 
 def _has(vm: relax.VirtualMachine, name: str) -> bool:
+    # apache-tvm 0.27 raises AttributeError for a missing function; it has no
+    # tvm.error.TVMError, which, named here, made the miss itself an AttributeError.
     try:
         vm[name]
-    except (AttributeError, KeyError, RuntimeError, tvm.error.TVMError):
+    except (AttributeError, KeyError, RuntimeError):
         return False
     return True
 

@@ -1,5 +1,6 @@
 """`mlcrun compile` as a real process: good input compiles, bad input is one clear line."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -57,15 +58,23 @@ def test_compile_then_noop_then_force(ckpt, tmp_path):
     assert first.returncode == 0, first.stderr
     config = json.loads((out / "mlcrun-config.json").read_text())
     assert config["model"]["arch"] == "LlamaForCausalLM"
-    assert (out / config["library"]).exists() and (out / "tokenizer.json").exists()
-    mtime = (out / config["library"]).stat().st_mtime_ns
+    lib = out / config["library"]
+    assert lib.exists() and (out / "tokenizer.json").exists()
+    assert config["library_sha256"] == hashlib.sha256(lib.read_bytes()).hexdigest()
+    mtime = lib.stat().st_mtime_ns
     again = run_cli("compile", ckpt, "-o", out)  # same inputs: nothing to do
     assert again.returncode == 0, again.stderr
     assert "up to date" in again.stderr
-    assert (out / config["library"]).stat().st_mtime_ns == mtime
+    assert lib.stat().st_mtime_ns == mtime
+    with lib.open("ab") as f:  # a library altered since is no longer up to date
+        f.write(b"\0")
+    altered = run_cli("compile", ckpt, "-o", out)
+    assert altered.returncode != 0 and "--force" in altered.stderr, altered.stderr
     forced = run_cli("compile", ckpt, "-o", out, "--force", "--context-window", "128")
     assert forced.returncode == 0, forced.stderr
-    assert json.loads((out / "mlcrun-config.json").read_text())["context_window"] == 128
+    config = json.loads((out / "mlcrun-config.json").read_text())
+    assert config["context_window"] == 128
+    assert config["library_sha256"] == hashlib.sha256(lib.read_bytes()).hexdigest()
 
 
 def test_missing_config(ckpt, tmp_path):

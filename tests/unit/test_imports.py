@@ -27,3 +27,20 @@ def test_tvm_loads_without_torch_and_torch_still_imports(module):
         "import torch; print(torch.ones(2).sum().item())"
     )
     assert run(code).split() == ["False", "2.0"]
+
+
+# The layering: compiler -> models, quant, weights -> artifact; runtime -> artifact (not models).
+@pytest.mark.parametrize(
+    ("module", "forbidden"),
+    [
+        ("mlcrun.compiler.build", "mlcrun.tokenizer"),
+        ("mlcrun.runtime.model", "mlcrun.models"),
+    ],
+)
+def test_layering(module, forbidden):
+    code = (
+        f"import sys, {module}; "
+        f"print(sorted(m for m in sys.modules if m == {forbidden!r} "
+        f"or m.startswith({forbidden + '.'!r})))"
+    )
+    assert run(code) == "[]"

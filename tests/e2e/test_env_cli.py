@@ -1,0 +1,66 @@
+"""Environment variables as real processes see them: `VAR= mlcrun ...` and malformed values."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, env):
+    return subprocess.run(
+        [sys.executable, "-m", "mlcrun", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **env},
+    )
+
+
+def assert_one_line_error(result, *needles: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr + result.stdout
+    err = result.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_empty_tvm_num_threads_is_unset(artifacts):
+    result = run_cli(
+        "chat",
+        artifacts("llama"),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "3",
+        env={"TVM_NUM_THREADS": ""},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2"])
+@pytest.mark.parametrize(
+    "command",
+    [("chat", "--prompt", "hi"), ("serve", "--port", "0"), ("bench", "--num-prompts", "1")],
+)
+def test_malformed_tvm_num_threads_is_one_line(artifacts, value, command):
+    name, *rest = command
+    result = run_cli(name, artifacts("llama"), *rest, env={"TVM_NUM_THREADS": value})
+    assert_one_line_error(result, "TVM_NUM_THREADS", repr(value))
+
+
+def test_bad_tvm_num_threads_fails_before_compiling(checkpoints, tmp_path):
+    home = tmp_path / "home"
+    env = {"TVM_NUM_THREADS": "abc", "MLCRUN_HOME": str(home)}
+    result = run_cli("chat", checkpoints("llama"), "--prompt", "hi", env=env)
+    assert_one_line_error(result, "TVM_NUM_THREADS")
+    assert not home.exists()
+
+
+def test_mlcrun_home_that_is_a_file_is_one_line(checkpoints, tmp_path):
+    home = tmp_path / "home"
+    home.write_text("")
+    result = run_cli("chat", checkpoints("llama"), "--prompt", "hi", env={"MLCRUN_HOME": str(home)})
+    assert_one_line_error(result, "MLCRUN_HOME", "not a directory")
