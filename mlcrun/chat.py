@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .engine.request import RequestOutput
-from .engine.types import SamplingParams
+from .engine.types import RequestOutput, SamplingParams
 from .errors import MlcrunError
 from .llm import LLM
 

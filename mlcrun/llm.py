@@ -9,8 +9,7 @@ from pathlib import Path
 
 from .engine.config import EngineConfig
 from .engine.engine import Engine
-from .engine.request import RequestOutput
-from .engine.types import SamplingParams
+from .engine.types import RequestOutput, SamplingParams
 from .errors import MlcrunError
 from .runtime import Model
 from .tokenizer import Tokenizer
@@ -94,7 +93,8 @@ class LLM:
         """Outputs as they are produced: `delta_text` / `delta_token_ids` hold what is new."""
         yield from self._drain(self._submit(prompts, sampling_params))
 
-    def _submit(self, prompts, sampling_params) -> list[str]:
+    def _submit(self, prompts, sampling_params) -> dict[str, int]:
+        """Add the prompts as engine requests; returns request id -> number of choices."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         encoded = [self._encode(p) for p in prompts]
@@ -106,23 +106,28 @@ class LLM:
             raise MlcrunError("sampling_params: give one, or one per prompt")
         if sampling_params and any(p.stop for p in sampling_params) and self.tokenizer is None:
             raise MlcrunError("stop: stop strings need a tokenizer in the artifact")
-        ids = []
+        for prompt, params in zip(encoded, sampling_params):  # all valid before any is added
+            self.engine.check_request(prompt, params)
+        ids = {}
         for prompt, params in zip(encoded, sampling_params):
             rid = f"llm-{next(self._ids)}"
             self.engine.add_request(rid, prompt, params)
-            ids.append(rid)
+            ids[rid] = params.n
         return ids
 
-    def _drain(self, request_ids: list[str]) -> Iterator[RequestOutput]:
-        pending = set(request_ids)
+    def _drain(self, requests: dict[str, int]) -> Iterator[RequestOutput]:
+        """Step the engine until every choice of `requests` has finished."""
+        pending = dict(requests)  # request id -> choices not finished yet
         try:
-            while pending and self.engine.has_unfinished():
+            while pending:
+                if not self.engine.has_unfinished():  # an engine bug: never wait forever
+                    raise MlcrunError(f"the engine lost request(s) {', '.join(pending)}")
                 for out in self.engine.step():
                     yield out
-                    if out.finished and all(
-                        r.finished for r in self.engine.requests.get(out.request_id, [])
-                    ):
-                        pending.discard(out.request_id)
+                    if out.finished and out.request_id in pending:
+                        pending[out.request_id] -= 1
+                        if not pending[out.request_id]:
+                            del pending[out.request_id]
         finally:  # an abandoned iterator must not leave requests holding KV pages
             for rid in pending:
                 self.engine.abort(rid)

@@ -344,11 +344,6 @@ class StreamDecoder:
         self._ids.append(int(token_id))
         return self._delta(flush=False)
 
-    def add_many(self, token_ids: Iterable[int]) -> str:
-        """Feed several tokens at once (e.g. accepted speculative tokens)."""
-        self._ids.extend(int(t) for t in token_ids)
-        return self._delta(flush=False)
-
     def finish(self) -> str:
         """Whatever was held back (e.g. a trailing incomplete UTF-8 sequence, as U+FFFD)."""
         if self._read_offset == len(self._ids):

@@ -12,8 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from ..engine.request import RequestOutput
-from ..engine.types import SamplingParams
+from ..engine.types import RequestOutput, SamplingParams
 from ..llm import LLM
 from .metrics import RequestRecord
 from .workload import BenchRequest

@@ -40,10 +40,6 @@ class EngineConfig:
         if self.kv_memory is not None and self.kv_memory <= 0:
             raise MlcrunError(f"kv_memory must be positive, got {self.kv_memory!r}")
 
-    @classmethod
-    def preset(cls, mode: str, **overrides) -> EngineConfig:
-        return cls(mode=mode, **overrides)
-
     def resolve(
         self,
         *,
@@ -79,10 +75,6 @@ class EngineConfig:
             prefill_chunk_size=self.prefill_chunk_size or prefill_chunk,
             kv_cache_page_size=page_size,
         )
-
-    @property
-    def num_pages(self) -> int:
-        return (self.max_total_sequence_length or 0) // (self.kv_cache_page_size or 1)
 
 
 def _ram_bytes() -> int:

@@ -24,6 +24,7 @@ _TOP_P_FRACTIONS = (2.0**-10, 2.0**-14)
 # float64 cumsum over a 150k vocabulary costs more than the rest of the sampler.
 _DRAW_BLOCK = 1024
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 class SamplerState:
@@ -80,6 +81,8 @@ class SampleResult:
     # Top-N (N = params.logprobs) of the raw distribution, plus the chosen token; None when the
     # request did not ask for logprobs.
     top_logprobs: dict[int, float] | None
+    # Why this row could not be sampled (then `token` is -1); the other rows are unaffected.
+    error: str | None = None
 
 
 def sample_batch(
@@ -88,17 +91,23 @@ def sample_batch(
     states: Sequence[SamplerState],
     allowed: Sequence[np.ndarray | None] | None = None,
 ) -> list[SampleResult]:
-    """One token per row of logits [B, V]; allowed[i] is an optional bool mask [V] for row i."""
-    x = processed_logits(logits, params, states, allowed)  # [B, V] float32
+    """One token per row of logits [B, V]; allowed[i] is an optional bool mask [V] for row i.
+    A row that cannot be sampled gets a SampleResult with `error`; the others are drawn as if
+    it were not there."""
+    x, errors = _process(logits, params, states, allowed)  # [B, V] float32
     greedy, sampled = _split(params)
-    tokens = np.empty(x.shape[0], dtype=np.int64)
+    tokens = np.full(x.shape[0], -1, dtype=np.int64)
     if greedy.size:
         tokens[greedy] = _rows(x, greedy).argmax(axis=1)
     if sampled.size:
         weights = _filtered_weights(_rows(x, sampled), [params[i] for i in sampled])
         for row, i in enumerate(sampled):
-            tokens[i] = draw(weights[row], states[i].rng)
-    return _results(np.asarray(logits), params, tokens)
+            if i not in errors:
+                try:
+                    tokens[i] = draw(weights[row], states[i].rng)
+                except MlcrunError as err:
+                    errors[i] = str(err)
+    return _results(np.asarray(logits), params, tokens, errors)
 
 
 def probabilities(
@@ -153,10 +162,19 @@ def processed_logits(
     states: Sequence[SamplerState],
     allowed: Sequence[np.ndarray | None] | None = None,
 ) -> np.ndarray:
-    """[B, V] float32 after logit_bias, the allowed mask and the penalties (before temperature).
+    """[B, V] float32 after logit_bias, the penalties and the allowed mask (before
+    temperature); raises for the first row that cannot be processed.
 
     A copy when a row changed, else the input itself (as float32): do not write to it.
     """
+    x, errors = _process(logits, params, states, allowed)
+    if errors:
+        raise MlcrunError(errors[min(errors)])
+    return x
+
+
+def _process(logits, params, states, allowed) -> tuple[np.ndarray, dict[int, str]]:
+    """processed_logits, with the rows that failed (row -> message) instead of raising."""
     x = np.asarray(logits, dtype=np.float32)
     if x.ndim != 2:
         raise MlcrunError(f"logits must be [batch, vocab], got shape {x.shape}")
@@ -166,15 +184,19 @@ def processed_logits(
         )
     if allowed is not None and len(allowed) != x.shape[0]:
         raise MlcrunError(f"{x.shape[0]} rows of logits for {len(allowed)} allowed masks")
-    copied = False
+    copied, errors = False, {}
     for i, p in enumerate(params):
         mask = None if allowed is None else allowed[i]
         penalised = p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
         if p.logit_bias or mask is not None or penalised:
             if not copied:
                 x, copied = x.copy(), True
-            _process_row(x[i], p, states[i], mask)
-    return x
+            try:
+                _process_row(x[i], p, states[i], mask)
+            except MlcrunError as err:
+                errors[i] = str(err)
+                x[i] = 0.0  # keeps the vectorised steps finite; the row is not sampled
+    return x, errors
 
 
 def check_vocab(params: SamplingParams, vocab_size: int) -> None:
@@ -203,13 +225,26 @@ def _rows(x: np.ndarray, idx: np.ndarray) -> np.ndarray:
 
 
 def _process_row(row: np.ndarray, p: SamplingParams, state: SamplerState, mask) -> None:
-    """Apply logit_bias, the mask and the penalties to one row [V], in place."""
+    """Apply logit_bias, the penalties and the mask to one row [V], in place. Finite logits
+    stay finite (clamped to float32's range) and masked ones become -inf, so nothing later can
+    compute inf - inf."""
     vocab = row.size
     if p.logit_bias:
         ids = np.array([t for t, _ in p.logit_bias], dtype=np.int64)
         bias = np.array([b for _, b in p.logit_bias], dtype=np.float32)
         inside = ids < vocab
         row[ids[inside]] += bias[inside]  # ids are distinct, so fancy += adds each once
+    if p.repetition_penalty != 1:
+        ids = state.seen_token_ids()
+        ids = ids[ids < vocab]
+        seen = row[ids]
+        with np.errstate(over="ignore", divide="ignore"):  # clamped below
+            row[ids] = np.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+    if p.frequency_penalty or p.presence_penalty:
+        ids, counts = state.output_counts()
+        inside = ids < vocab
+        row[ids[inside]] -= p.frequency_penalty * counts[inside] + p.presence_penalty
+    np.clip(row, -_FLOAT32_MAX, _FLOAT32_MAX, out=row)
     if mask is not None:
         mask = np.asarray(mask, dtype=bool)
         if mask.shape != (vocab,):
@@ -217,15 +252,6 @@ def _process_row(row: np.ndarray, p: SamplingParams, state: SamplerState, mask) 
         if not mask.any():
             raise MlcrunError("the allowed mask allows no token")
         row[~mask] = -np.inf
-    if p.repetition_penalty != 1:
-        ids = state.seen_token_ids()
-        ids = ids[ids < vocab]
-        seen = row[ids]
-        row[ids] = np.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
-    if p.frequency_penalty or p.presence_penalty:
-        ids, counts = state.output_counts()
-        inside = ids < vocab
-        row[ids[inside]] -= p.frequency_penalty * counts[inside] + p.presence_penalty
 
 
 def _filtered_weights(x: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
@@ -234,9 +260,13 @@ def _filtered_weights(x: np.ndarray, params: Sequence[SamplingParams]) -> np.nda
     x [S, V] is not modified. The top token always keeps weight exactly 1.
     """
     num_rows, vocab = x.shape
-    weights = x - x.max(axis=1, keepdims=True)
-    # Clamped so that a tiny temperature gives 0 * big = 0 for the top token, not 0 * inf.
-    inv_temp = np.array([min(1.0 / p.temperature, _FLOAT32_MAX) for p in params], np.float32)
+    with np.errstate(over="ignore"):  # a difference beyond float32 is -inf: weight 0
+        weights = x - x.max(axis=1, keepdims=True)
+    # Clamped to float32's finite range: a tiny temperature gives 0 * big = 0 for the top
+    # token (not 0 * inf), a huge one keeps -inf * small = -inf for masked tokens (not NaN).
+    inv_temp = np.array(
+        [min(max(1.0 / p.temperature, _FLOAT32_TINY), _FLOAT32_MAX) for p in params], np.float32
+    )
     if np.any(inv_temp != 1):
         with np.errstate(over="ignore"):  # to -inf, which exp makes 0
             weights *= inv_temp[:, None]
@@ -331,18 +361,22 @@ def _top_logprobs(row: np.ndarray, lse: float, chosen: int, n: int) -> dict[int,
     return out
 
 
-def _results(raw: np.ndarray, params, tokens: np.ndarray) -> list[SampleResult]:
+def _results(raw: np.ndarray, params, tokens: np.ndarray, errors) -> list[SampleResult]:
     """SampleResults, with logprobs from the raw logits [B, V] for the rows that ask."""
-    wanted = np.array([p.logprobs is not None for p in params], dtype=bool)
+    wanted = np.array(
+        [p.logprobs is not None and i not in errors for i, p in enumerate(params)], dtype=bool
+    )
     lse = np.full(len(params), np.nan)
     if wanted.any():
         lse[wanted] = _logsumexp(_rows(raw, np.flatnonzero(wanted)))
     results = []
     for i, p in enumerate(params):
         token = int(tokens[i])
-        if p.logprobs is None:
+        if i in errors:
+            results.append(SampleResult(-1, float("nan"), None, errors[i]))
+        elif p.logprobs is None:
             results.append(SampleResult(token, float("nan"), None))
-            continue
-        top = _top_logprobs(raw[i], float(lse[i]), token, p.logprobs)
-        results.append(SampleResult(token, top[token], top))
+        else:
+            top = _top_logprobs(raw[i], float(lse[i]), token, p.logprobs)
+            results.append(SampleResult(token, top[token], top))
     return results

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import MlcrunError
+
+# Sane ranges, checked at the door. Beyond them the numbers stop meaning anything (a
+# temperature of 100 is already uniform sampling) and float32 logits overflow.
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -43,12 +50,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         set_ = partial(object.__setattr__, self)
         set_("max_tokens", _int("max_tokens", self.max_tokens, lo=1))
-        set_("temperature", _float("temperature", self.temperature, lo=0.0))
+        set_("temperature", _float("temperature", self.temperature, lo=0.0, hi=MAX_TEMPERATURE))
         top_p = _float("top_p", self.top_p)
         if not 0 < top_p <= 1:
             raise MlcrunError(f"top_p must be in (0, 1], got {self.top_p!r}")
         set_("top_p", top_p)
-        set_("top_k", 0 if self.top_k == -1 else _int("top_k", self.top_k, lo=0, off=-1))
+        top_k = -1 if self.top_k == -1 else _int("top_k", self.top_k, lo=0, hi=MAX_TOP_K, off=-1)
+        set_("top_k", max(top_k, 0))
         set_("min_p", _float("min_p", self.min_p, lo=0.0, hi=1.0))
         if self.seed is not None:
             set_("seed", _int("seed", self.seed))
@@ -57,10 +65,11 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise MlcrunError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         set_("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
-        penalty = _float("repetition_penalty", self.repetition_penalty)
-        if not penalty > 0:
-            raise MlcrunError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        set_("repetition_penalty", penalty)
+        lo, hi = REPETITION_PENALTY_RANGE
+        set_(
+            "repetition_penalty",
+            _float("repetition_penalty", self.repetition_penalty, lo=lo, hi=hi),
+        )
         for name in ("frequency_penalty", "presence_penalty"):
             set_(name, _float(name, getattr(self, name), lo=-2.0, hi=2.0))
         set_("logit_bias", _logit_bias(self.logit_bias))
@@ -109,7 +118,8 @@ def _float(name: str, value: Any, *, lo: float | None = None, hi: float | None =
 
 
 def _token_id(name: str, value: Any) -> int:
-    if isinstance(value, str) and value.isdigit():  # JSON object keys are strings
+    # JSON object keys are strings; isdigit() alone also accepts "²", which int() refuses.
+    if isinstance(value, str) and value.isascii() and value.isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise MlcrunError(f"{name}: token ids must be non-negative integers, got {value!r}")
@@ -148,3 +158,79 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     if stop is None or not all(isinstance(s, str) and s for s in stop):
         raise MlcrunError("stop must be a string or a list of non-empty strings")
     return stop
+
+
+class TokenConstraint(Protocol):
+    """Per-choice state of a constrained request (e.g. a JSON-schema grammar)."""
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        """Bool mask [vocab_size] of the tokens that may come next; never all False."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance past a sampled token; True when the constraint is complete."""
+        ...
+
+
+@dataclass
+class RequestMetrics:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    prefill_seconds: float = 0.0
+    preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        t = self.token_times
+        return (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else None
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        computed = self.prompt_tokens - self.cached_tokens
+        return computed / self.prefill_seconds if self.prefill_seconds > 0 else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ttft": self.ttft,
+            "inter_token_latencies": self.inter_token_latencies,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "preemptions": self.preemptions,
+        }
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced. Streaming yields one per step with the new `delta_*`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    # "stop" | "length" | "abort" | "error" (then `error` says what went wrong; the request
+    # failed alone, the others in its batch went on)
+    finish_reason: str | None = None
+    index: int = 0  # which of the `n` choices
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

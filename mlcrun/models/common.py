@@ -80,9 +80,8 @@ class DecoderModel(nn.Module):
 class DecoderLM(nn.Module):
     """The exported model: its methods are the library's ABI (see compiler/abi.py)."""
 
-    def __init__(self, cfg: ModelConfig, target_kind: str = "llvm"):
+    def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
-        self.target_kind = target_kind
         self.model = DecoderModel(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -88,6 +88,9 @@ def _routes(app: FastAPI, svc: Service) -> None:
     async def health():
         if svc.draining:
             return _json_error(503, "shutting down", "server_error", code="draining")
+        if not svc.engine.healthy:
+            message = f"the model engine stopped: {svc.engine.error}"
+            return _json_error(503, message, "server_error", code="engine_dead")
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -151,7 +154,8 @@ def _routes(app: FastAPI, svc: Service) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         """Drop the finished sequences kept for prefix reuse (frees their KV pages)."""
-        return {"dropped": svc.engine.reset_prefix_cache()}
+        svc.check_alive()
+        return {"dropped": await svc.engine.reset_prefix_cache()}
 
 
 def _model_card(svc: Service) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from ..engine.request import RequestOutput
+from ..engine.types import RequestOutput
 from ..errors import MlcrunError
 from .protocol import APIError, error_body
 from .service import Prompt, Service, Ticket, usage

@@ -13,10 +13,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from ..engine.async_engine import AsyncEngine
-from ..engine.request import RequestOutput, TokenConstraint
+from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.sampler import check_vocab
-from ..engine.types import SamplingParams
+from ..engine.types import RequestOutput, SamplingParams, TokenConstraint
 from ..errors import MlcrunError
 from .grammar import Grammars
 from .metrics import Metrics
@@ -119,8 +118,15 @@ class Service:
             )
         return list(ids)
 
-    def max_tokens(self, prompts: list[Prompt], asked: int | None, default: int | None) -> int:
-        """The max_tokens to use; a 400 naming the limits when the request cannot fit."""
+    def max_tokens(
+        self,
+        prompts: list[Prompt],
+        asked: int | None,
+        default: int | None,
+        param: str = "max_tokens",
+    ) -> int:
+        """The max_tokens to use; a 400 naming the limits (and `param`, the field that asked)
+        when the request cannot fit."""
         window, longest = self.context_window, max(len(p.ids) for p in prompts)
         if longest >= window:
             raise APIError(
@@ -137,11 +143,15 @@ class Service:
                 400,
                 f"This model's maximum context length is {window} tokens. However, you requested "
                 f"{longest + asked} tokens ({longest} in the prompt, {asked} for the "
-                "completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens",
+                f"completion). Please reduce the prompt or {param}.",
+                param=param,
                 code="context_length_exceeded",
             )
         return asked
+
+    def check_alive(self) -> None:
+        if not self.engine.healthy:
+            raise unavailable(self.engine.error)
 
     def check_params(self, params: SamplingParams) -> None:
         try:
@@ -157,6 +167,7 @@ class Service:
         if self.draining:
             self.metrics.rejected += 1
             raise APIError(503, "The server is shutting down", type="server_error", code="draining")
+        self.check_alive()
         if seqs > self.capacity:
             raise APIError(
                 400,
@@ -196,6 +207,8 @@ class Service:
                 async with aclosing(stream) as outputs:
                     async for out in outputs:
                         queue.put_nowait((i, out))
+            except EngineDeadError as err:
+                queue.put_nowait((i, unavailable(err)))
             except Exception as err:
                 queue.put_nowait((i, err))
             finally:
@@ -214,6 +227,16 @@ class Service:
                     continue
                 if isinstance(item, Exception):
                     raise item
+                if item.finish_reason == "error":  # this request failed alone
+                    finished += 1
+                    tokens.pop((i, item.index), None)
+                    self._record(item)
+                    raise APIError(
+                        500,
+                        f"generation failed: {item.error}",
+                        type="server_error",
+                        code="generation_failed",
+                    )
                 if item.finished:
                     finished += 1
                     tokens.pop((i, item.index), None)
@@ -243,6 +266,16 @@ class Service:
         if self.in_flight:
             log.warning("aborting %d sequence(s) still running at shutdown", self.in_flight)
             await self.engine.abort_all()
+
+
+def unavailable(err: BaseException | None) -> APIError:
+    """503 for every request once the engine thread has stopped."""
+    return APIError(
+        503,
+        f"The model engine is not running ({err}); the server must be restarted",
+        type="server_error",
+        code="engine_dead",
+    )
 
 
 def usage(prompts: list[Prompt], finals: Sequence[RequestOutput]) -> dict:

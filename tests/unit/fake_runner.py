@@ -3,7 +3,13 @@
 Its "KV" is each sequence's token list, paged exactly like TVM's cache (forks share whole
 pages; a fork inside a page copies that page). Logits at a position are a fixed random function
 of the whole token history, so any KV mix-up changes the output. It raises on anything the real
-cache would not survive: out of pages, too many sequences or tokens in one call, unknown ids.
+cache would not survive: out of pages, too many sequences or tokens in one call, unknown ids, a
+forward between a tree verify and its commit.
+
+Token trees (`batch_verify`): every node takes a slot, and pages, as TVM's cache does; node i's
+logits are those of the sequence's history followed by the path from the tree's root to i.
+`commit_accepted_token_tree_nodes` keeps the path to the accepted leaf and frees the rest.
+`fail_next` makes the next forward raise, for failure-isolation tests.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ class FakeRunner:
         # With a script, greedy decoding emits script[k] as the k-th token after `script_from`.
         self.script, self.script_from = script, script_from
         self.calls: list[tuple[str, list[int], list[int]]] = []
+        self.fail_next: Exception | None = None
+        self.failed_calls: list[list[int]] = []  # seq_ids of the forwards that fail_next broke
 
     def create_kv_cache(
         self, page_size, max_num_sequence, max_total_sequence_length, prefill_chunk_size
@@ -38,6 +46,7 @@ class FakeRunner:
         self.refcount = [0] * self.num_pages
         self.seqs: dict[int, list[int]] = {}
         self.pages: dict[int, list[int]] = {}
+        self.trees: dict[int, tuple[int, list[int], list[int]]] = {}  # seq -> (len, parents, ids)
 
     # ---------------------------------------------------------------- pages
     def get_num_available_pages(self) -> int:
@@ -96,10 +105,21 @@ class FakeRunner:
         assert all(0 <= t < self.vocab_size for t in ids)
         return ids
 
-    def batch_prefill(self, embeddings, seq_ids, lengths):
+    def _begin(self, kind, seq_ids, lengths):
+        assert not self.trees, "a forward before the last verify was committed"
         assert len(seq_ids) <= self.max_num_sequence and len(set(seq_ids)) == len(seq_ids)
+        assert all(s in self.seqs for s in seq_ids), seq_ids
+        self.calls.append((kind, list(seq_ids), list(lengths)))
+        if self.fail_next is not None:
+            err, self.fail_next = self.fail_next, None
+            self.failed_calls.append(list(seq_ids))
+            for seq_id, n in zip(seq_ids, lengths):  # TVM reserves the slots before it fails
+                self._grow(seq_id, n)
+            raise err
+
+    def batch_prefill(self, embeddings, seq_ids, lengths):
         assert sum(lengths) == len(embeddings) <= self.prefill_chunk_size, lengths
-        self.calls.append(("prefill", list(seq_ids), list(lengths)))
+        self._begin("prefill", seq_ids, lengths)
         out, offset = [], 0
         for seq_id, n in zip(seq_ids, lengths):
             self._append(seq_id, embeddings[offset : offset + n])
@@ -108,11 +128,36 @@ class FakeRunner:
         return np.stack(out)
 
     def batch_decode(self, embeddings, seq_ids):
-        assert len(seq_ids) <= self.max_num_sequence and len(set(seq_ids)) == len(seq_ids)
-        self.calls.append(("decode", list(seq_ids), [1] * len(seq_ids)))
+        self._begin("decode", seq_ids, [1] * len(seq_ids))
         for seq_id, token in zip(seq_ids, embeddings):
             self._append(seq_id, [token])
         return np.stack([self.logits(self.seqs[s]) for s in seq_ids])
+
+    def batch_verify(self, embeddings, seq_ids, lengths, token_tree_parent_ptr):
+        assert sum(lengths) == len(embeddings) == len(token_tree_parent_ptr)
+        assert sum(lengths) <= self.prefill_chunk_size and max(lengths) <= 256
+        self._begin("verify", seq_ids, lengths)
+        out, offset = [], 0
+        for seq_id, n in zip(seq_ids, lengths):
+            ids = list(embeddings[offset : offset + n])
+            parents = list(token_tree_parent_ptr[offset : offset + n])
+            assert parents[0] == -1 and all(-1 <= p < i for i, p in enumerate(parents)), parents
+            base = len(self.seqs[seq_id])
+            self._append(seq_id, ids)  # every node takes a slot until the commit
+            self.trees[seq_id] = (base, parents, ids)
+            for i in range(n):
+                out.append(self.logits(self.seqs[seq_id][:base] + _path(parents, ids, i)))
+            offset += n
+        return np.stack(out)
+
+    def commit_accepted_token_tree_nodes(self, seq_ids, accepted_leaf_indices):
+        assert list(seq_ids) == list(self.trees), "commit must name the verified sequences"
+        for seq_id, leaf in zip(seq_ids, accepted_leaf_indices):
+            base, parents, ids = self.trees[seq_id]
+            path = _path(parents, ids, leaf)
+            self.popn(seq_id, len(self.seqs[seq_id]) - base)
+            self._append(seq_id, path)
+        self.trees = {}
 
     def _append(self, seq_id, tokens):
         start = len(self.seqs[seq_id])
@@ -131,3 +176,12 @@ class FakeRunner:
         if self.script is not None and 0 <= k < len(self.script):
             logits[self.script[k]] = 50.0
         return logits
+
+
+def _path(parents, ids, node):
+    """Tokens from the tree's root to `node`."""
+    path = []
+    while node >= 0:
+        path.append(ids[node])
+        node = parents[node]
+    return path[::-1]

@@ -134,7 +134,7 @@ def test_retained_sequences_are_bounded_and_evicted_for_room():
             f"r{i}", prompt_of(10, 10 + i), SamplingParams(max_tokens=3, temperature=0)
         )
         run_all(engine)
-    assert len(engine.retained) == 2 and len(runner.seqs) == 2
+    assert engine.kv.num_retained == 2 and len(runner.seqs) == 2
     # A request needing most of the cache evicts the retained ones instead of failing.
     engine.add_request("big", prompt_of(60, 99), SamplingParams(max_tokens=10, temperature=0))
     out = run_all(engine)[("big", 0)]
@@ -193,12 +193,14 @@ def test_eos_stops_and_ignore_eos_continues():
     assert outs[("go", 0)].finish_reason == "length" and len(outs[("go", 0)].token_ids) == 20
 
 
-def test_a_request_larger_than_the_whole_kv_budget_finishes_instead_of_hanging():
+def test_a_kv_budget_smaller_than_the_window_caps_it(caplog):
     engine, runner = make_engine(pages=2, seqs=2, chunk=16, prefix_cache=False)
-    engine.add_request("huge", prompt_of(20, 1), GREEDY)
+    assert engine.context_window == 8  # 2 pages of 4 tokens
+    assert "capped at 8" in caplog.text
+    with pytest.raises(MlcrunError, match="context window"):
+        engine.add_request("huge", prompt_of(20, 1), GREEDY)
     engine.add_request("small", prompt_of(3, 2), SamplingParams(max_tokens=3, temperature=0))
     outs = run_all(engine, max_steps=100)
-    assert outs[("huge", 0)].finish_reason == "length"
     assert outs[("small", 0)].token_ids == alone(
         prompt_of(3, 2), SamplingParams(max_tokens=3, temperature=0)
     )

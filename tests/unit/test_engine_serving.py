@@ -81,7 +81,7 @@ def test_a_prompt_under_way_takes_pages_back_from_the_prefix_cache():
             f"r{i}", prompt_of(12, i + 10), SamplingParams(max_tokens=4, temperature=0)
         )
         run_all(engine)
-    assert len(engine.retained) == 3
+    assert engine.kv.num_retained == 3
     engine.add_request("long", prompt_of(40, 99), SamplingParams(max_tokens=4, temperature=0))
     out = run_all(engine, max_steps=200)[("long", 0)]
-    assert len(out.token_ids) == 4 and len(engine.retained) < 4
+    assert len(out.token_ids) == 4 and engine.kv.num_retained < 4
