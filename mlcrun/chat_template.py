@@ -87,13 +87,24 @@ def render(
 ) -> str:
     """The prompt text; tokenize it without adding special tokens (the template has them)."""
     compiled = _compile(template or FALLBACK_TEMPLATE)
+    messages = validate_messages(messages)
     try:
         return compiled.render(
-            messages=validate_messages(messages),
+            messages=messages,
             add_generation_prompt=add_generation_prompt,
             **(special_tokens or {}),
         )
-    except TemplateError:
-        raise
-    except jinja2.TemplateError as err:
-        raise MlcrunError(f"chat template failed: {err}") from None
+    except TemplateError as err:
+        raise TemplateError(_one_line(str(err))) from None
+    except Exception as err:
+        # The template is the model's code, run on the caller's messages: whatever it raises
+        # (UndefinedError, but also TypeError, ZeroDivisionError, RecursionError...) means it
+        # cannot render this conversation, not that mlcrun is broken.
+        detail = f"{type(err).__name__}: {_one_line(str(err))}"
+        raise MlcrunError(f"chat template failed: {detail}") from None
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """An error message on one line, cut: templates may put message content in it."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."

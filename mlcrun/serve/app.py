@@ -4,6 +4,9 @@ key, body size limit, one access-log line per request).
 Errors: 400 invalid values (also for schema errors, which FastAPI would answer with 422), 401
 missing or wrong key, 404 unknown model or route, 413 oversized body, 429 queue full, 503
 shutting down; a 500 only for a bug.
+
+Tokenizing and chat-template rendering run in worker threads: a prompt of megabytes takes
+seconds, and on the event loop it would stall every stream and /health meanwhile.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from ..errors import MlcrunError
+from ..tokenizer import Tokenizer
+from .metrics import CONTENT_TYPE
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -30,6 +35,7 @@ from .protocol import (
     TokenizeRequest,
     bad_value,
     error_body,
+    plain_messages,
 )
 from .responses import ChatCall, CompletionCall
 from .service import Prompt, Service
@@ -95,9 +101,7 @@ def _routes(app: FastAPI, svc: Service) -> None:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        return PlainTextResponse(
-            svc.metrics.render(svc.engine.stats()), media_type="text/plain; version=0.0.4"
-        )
+        return PlainTextResponse(svc.metrics.render(svc.engine.stats()), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -110,42 +114,35 @@ def _routes(app: FastAPI, svc: Service) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        svc.check_model(body.model)
+        _accept(svc, body)
         body.check()
-        prompts = svc.encode(body.prompt)
+        prompts = await asyncio.to_thread(svc.encode, body.prompt)
         max_tokens = svc.max_tokens(prompts, body.max_tokens, svc.options.default_max_tokens)
         params = body.sampling_params(max_tokens, body.logprobs)
         return await _run(request, svc, CompletionCall, body, prompts, params)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        svc.check_model(body.model)
+        _accept(svc, body)
         body.check()
-        prompts = [_chat_prompt(svc, body)]
-        asked = body.max_completion_tokens or body.max_tokens
-        max_tokens = svc.max_tokens(prompts, asked, None)
+        prompts = [await asyncio.to_thread(_chat_prompt, svc, body)]
+        asked, field = body.asked_max_tokens
+        max_tokens = svc.max_tokens(prompts, asked, None, param=field)
         params = body.sampling_params(max_tokens, body.engine_logprobs)
         return await _run(request, svc, ChatCall, body, prompts, params)
 
     @app.post("/v1/tokenize")
     async def tokenize(body: TokenizeRequest):
-        svc.check_model(body.model)
+        _accept(svc, body)
         tok = svc.need_tokenizer("tokenize")
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if body.messages is not None:
-            chat = ChatCompletionRequest(messages=body.messages)
-            text = tok.apply_chat_template(
-                chat.plain_messages(), body.add_generation_prompt, tokenize=False
-            )
-            ids = tok.encode(text, add_special_tokens=False)
-        else:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await asyncio.to_thread(_tokenize, tok, body)
         return {"tokens": ids, "count": len(ids), "max_model_len": svc.context_window}
 
     @app.post("/v1/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        svc.check_model(body.model)
+        _accept(svc, body)
         tok = svc.need_tokenizer("detokenize")
         if body.tokens:
             svc.check_ids(body.tokens, "tokens")
@@ -168,9 +165,33 @@ def _model_card(svc: Service) -> dict[str, Any]:
     }
 
 
+def _accept(svc: Service, body) -> None:
+    """The first checks of every body: text that is not valid Unicode (which would break even
+    the error answer that names it), then the model."""
+    body.check_text()
+    svc.check_model(body.model)
+
+
 def _chat_prompt(svc: Service, body: ChatCompletionRequest) -> Prompt:
+    """Runs in a worker thread."""
     tok = svc.need_tokenizer("chat")
-    return Prompt(tok.apply_chat_template(body.plain_messages()), None)
+    text = _render_chat(tok, body.plain_messages(), add_generation_prompt=True)
+    return Prompt(tok.encode(text, add_special_tokens=False), None)
+
+
+def _tokenize(tok: Tokenizer, body: TokenizeRequest) -> list[int]:
+    """Runs in a worker thread."""
+    if body.messages is None:
+        return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    text = _render_chat(tok, plain_messages(body.messages), body.add_generation_prompt)
+    return tok.encode(text, add_special_tokens=False)  # the template has the special tokens
+
+
+def _render_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt, tokenize=False)
+    except MlcrunError as err:  # the model's template refused or failed on these messages
+        raise APIError(400, f"messages: {err}", param="messages") from None
 
 
 async def _run(request: Request, svc: Service, call_cls, body, prompts, params):
@@ -230,7 +251,8 @@ class RequestGuard:
     def __init__(self, app, service: Service) -> None:
         self.app, self.svc = app, service
         key = service.options.api_key
-        self.expected = f"Bearer {key}".encode() if key else None
+        self.key = key.encode() if key else None
+        self.max_bytes = service.options.max_request_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -272,25 +294,27 @@ class RequestGuard:
     def refuse(self, scope) -> JSONResponse | None:
         headers = dict(scope["headers"])
         protected = scope["path"].startswith("/v1") or scope["path"] == "/reset_prefix_cache"
-        if self.expected and protected:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                return _json_error(
-                    401, "Invalid or missing API key", _INVALID, code="invalid_api_key"
-                )
+        if self.key and protected and not self.authorized(headers.get(b"authorization", b"")):
+            return _json_error(401, "Invalid or missing API key", _INVALID, code="invalid_api_key")
         length = headers.get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.svc.options.max_request_bytes:
+        # (a length of 19+ digits is too large anyway, and int() refuses over 4300 digits)
+        if length.isdigit() and (len(length) > 18 or int(length) > self.max_bytes):
             return self.too_large()
         return None
 
+    def authorized(self, header: bytes) -> bool:
+        # RFC 7235: the scheme is case-insensitive ("bearer KEY" is as good as "Bearer KEY")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
     def too_large(self) -> JSONResponse:
-        limit = self.svc.options.max_request_bytes
+        limit = self.max_bytes
         return _json_error(
             413, f"Request body over the limit of {limit} bytes", _INVALID, code="too_large"
         )
 
     def limited(self, receive):
-        limit, seen = self.svc.options.max_request_bytes, [0]
+        limit, seen = self.max_bytes, [0]
 
         async def wrapped():
             message = await receive()

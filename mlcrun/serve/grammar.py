@@ -122,11 +122,13 @@ class Grammars:
                 json.dumps(schema), overrides=_JSON_OPTIONS
             )
         except Exception as err:  # ValueError for a schema that is not JSON-like
-            raise APIError(400, f"json_schema: {err}", param="response_format") from None
+            message = f"response_format.json_schema: {str(err).strip().splitlines()[0][:500]}"
+            raise APIError(400, message, param="response_format") from None
         first = llguidance.LLMatcher(ll, grammar, log_level=0)
         if first.is_error():
             message = first.get_error().splitlines()[0][:500]
-            raise APIError(400, f"json_schema is not supported: {message}", param="response_format")
+            message = f"response_format.json_schema is not supported: {message}"
+            raise APIError(400, message, param="response_format")
         eos = self.eos_token_ids
         return lambda: GrammarConstraint(first.deep_copy(), eos)
 

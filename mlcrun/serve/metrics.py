@@ -1,69 +1,86 @@
-"""Prometheus text exposition for the server: request and token counters, latency histograms,
-and gauges read from the engine (running/waiting, KV pages, sequences per step).
+"""Prometheus metrics for the server, with prometheus_client: request and token counters,
+latency histograms, and gauges read from the engine (running/waiting, KV pages, sequences per
+step).
 
-Everything here is updated from the event loop thread only; the engine's numbers come from a
-snapshot (`AsyncEngine.stats()`), so no locking is needed.
+Every label has a fixed set of values (HTTP methods outside the standard ones and unknown
+paths are "other"), so no client can make the output grow. Counters and histograms the server
+updates as requests end are prometheus_client objects in a per-server registry; numbers kept
+elsewhere (the engine's stats snapshot, and the in-flight/rejected/cached counts the service
+keeps as plain ints) are read by a collector when /metrics is scraped.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
-from ..engine.engine import EngineStats
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+if TYPE_CHECKING:
+    from ..engine.engine import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFIX = "mlcrun"
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_PLAIN_0_0_4
 
+METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"))
+FINISH_REASONS = frozenset(("stop", "length", "abort"))
 
-class Histogram:
-    def __init__(self, name: str, help: str, buckets: Iterable[float]) -> None:
-        self.name, self.help = f"{PREFIX}_{name}", help
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float, times: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += times
-        self.sum += value * times
-
-    def lines(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        total = 0
-        for bound, count in zip((*self.buckets, "+Inf"), self.counts):
-            total += count
-            out.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {total}')
-        out += [f"{self.name}_sum {_num(self.sum)}", f"{self.name}_count {total}"]
-        return out
+# `_created` series (one timestamp per counter and label set) would double the output for
+# nothing a dashboard uses; the switch is process-wide, and mlcrun has no other registry.
+prometheus_client.disable_created_metrics()
 
 
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.requests: dict[tuple[str, str, int], int] = {}  # (method, path, status) -> count
-        self.finished: dict[str, int] = {}  # finish_reason -> choices
-        self.prompt_tokens = 0
+        self.registry = CollectorRegistry()  # per server, not the process-wide default
+        reg = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_http_requests",
+            "HTTP requests by method, path and status.",
+            ("method", "path", "status"),
+            registry=reg,
+        )
+        self.finished = Counter(
+            f"{PREFIX}_request_success",
+            "Finished choices by finish reason.",
+            ("finish_reason",),
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of generation requests.", registry=reg
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens", "Generated tokens.", registry=reg
+        )
+        self.ttft = _latency(reg, "time_to_first_token_seconds", "Time to first token.")
+        self.itl = _latency(reg, "inter_token_latency_seconds", "Time between tokens.")
+        self.e2e = _latency(reg, "request_latency_seconds", "Generation request latency.")
+        # Plain ints: the service updates them directly (admission, tickets, prefix hits).
         self.cached_tokens = 0
-        self.generation_tokens = 0
-        self.ttft = Histogram(
-            "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS
-        )
-        self.itl = Histogram("inter_token_latency_seconds", "Time between tokens.", LATENCY_BUCKETS)
-        self.e2e = Histogram(
-            "request_latency_seconds", "Generation request latency.", LATENCY_BUCKETS
-        )
         self.in_flight = 0
         self.rejected = 0  # queue full or shutting down
+        self._stats: EngineStats | None = None
+        reg.register(_Snapshot(self))
 
     def count_request(self, method: str, path: str, status: int) -> None:
-        key = (method, path, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
+        """`path` must already be bounded (the app's route templates)."""
+        method = method if method in METHODS else "other"
+        self.requests.labels(method, path, str(status)).inc()
 
     def record_choice(self, finish_reason: str | None, metrics) -> None:
         """A finished choice: its finish reason, latencies and tokens."""
-        reason = finish_reason or "unknown"
-        self.finished[reason] = self.finished.get(reason, 0) + 1
+        self._finish(finish_reason)
         if metrics is None:
             return
         if metrics.ttft is not None:
@@ -72,89 +89,93 @@ class Metrics:
             self.itl.observe(gap)
         if metrics.token_times:
             self.e2e.observe(metrics.token_times[-1] - metrics.arrival)
-        self.generation_tokens += len(metrics.token_times)
+        self.generation_tokens.inc(len(metrics.token_times))
 
     def record_aborted(self, choices: int, tokens: int) -> None:
         if choices:
-            self.finished["abort"] = self.finished.get("abort", 0) + choices
-        self.generation_tokens += tokens
+            self._finish("abort", choices)
+        self.generation_tokens.inc(tokens)
 
     def record_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
-        self.prompt_tokens += prompt_tokens
+        self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens += cached_tokens
 
+    def _finish(self, reason: str | None, times: int = 1) -> None:
+        label = "unknown" if reason is None else reason if reason in FINISH_REASONS else "other"
+        self.finished.labels(label).inc(times)
+
     def render(self, stats: EngineStats) -> str:
-        lines: list[str] = []
-        counter = _family(lines, "counter")
-        gauge = _family(lines, "gauge")
-        counter(
-            "http_requests_total",
-            "HTTP requests by method, path and status.",
-            {f'method="{m}",path="{p}",status="{s}"': n for (m, p, s), n in self.requests.items()},
-        )
-        counter(
-            "request_success_total",
-            "Finished choices by finish reason.",
-            {f'finish_reason="{r}"': n for r, n in self.finished.items()},
-        )
-        counter("prompt_tokens_total", "Prompt tokens of generation requests.", self.prompt_tokens)
-        counter(
-            "prompt_tokens_cached_total",
-            "Prompt tokens reused from the prefix cache.",
-            self.cached_tokens,
-        )
-        counter("generation_tokens_total", "Generated tokens.", self.generation_tokens)
-        counter(
-            "requests_rejected_total", "Requests refused: queue full or draining.", self.rejected
-        )
-        lines += self.ttft.lines() + self.itl.lines() + self.e2e.lines()
-        gauge("requests_in_flight", "Generation requests the server is handling.", self.in_flight)
-        gauge("num_requests_running", "Sequences in the running batch.", stats.running)
-        gauge("num_requests_waiting", "Sequences waiting for admission.", stats.waiting)
-        used = stats.total_pages - stats.free_pages
-        gauge("kv_pages_total", "KV cache pages.", stats.total_pages)
-        gauge("kv_pages_used", "KV cache pages in use (requests and prefix cache).", used)
-        gauge(
-            "kv_cache_usage_ratio",
-            "Fraction of KV pages in use.",
-            used / stats.total_pages if stats.total_pages else 0.0,
-        )
-        gauge(
-            "prefix_cache_sequences",
-            "Finished sequences kept for prefix reuse.",
-            stats.cached_sequences,
-        )
-        counter("preemptions_total", "Requests preempted for KV space.", stats.preemptions)
-        counter("engine_prefill_tokens_total", "Tokens prefilled.", stats.prefill_tokens)
-        counter("engine_decode_tokens_total", "Tokens decoded.", stats.decode_tokens)
-        lines += _step_histogram(stats.step_sizes).lines()
-        return "\n".join(lines) + "\n"
+        """The text exposition, with the engine numbers of `stats` (a snapshot)."""
+        self._stats = stats
+        try:
+            return generate_latest(self.registry).decode()
+        finally:
+            self._stats = None
 
 
-def _family(lines: list[str], kind: str):
-    def add(name: str, help: str, value: float | Mapping[str, float]) -> None:
-        full = f"{PREFIX}_{name}"
-        lines.extend([f"# HELP {full} {help}", f"# TYPE {full} {kind}"])
-        if isinstance(value, Mapping):
-            lines.extend(f"{full}{{{labels}}} {_num(v)}" for labels, v in value.items())
-        else:
-            lines.append(f"{full} {_num(value)}")
-
-    return add
+def _latency(registry: CollectorRegistry, name: str, help: str) -> Histogram:
+    return Histogram(f"{PREFIX}_{name}", help, buckets=LATENCY_BUCKETS, registry=registry)
 
 
-def _step_histogram(step_sizes: Mapping[int, int]) -> Histogram:
-    """Sequences per engine step (decode + prefill): > 1 means requests were batched."""
-    hist = Histogram("batch_size", "Sequences per engine step.", BATCH_BUCKETS)
-    for size, steps in sorted(step_sizes.items()):
+class _Snapshot:
+    """What is read at scrape time: the service's counts and the engine's stats snapshot."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        yield _counter(
+            "prompt_tokens_cached", "Prompt tokens reused from the prefix cache.", m.cached_tokens
+        )
+        yield _counter("requests_rejected", "Requests refused: queue full or draining.", m.rejected)
+        yield _gauge(
+            "requests_in_flight", "Generation requests the server is handling.", m.in_flight
+        )
+        if m._stats is not None:  # None only when registry.collect() runs outside render()
+            yield from _engine(m._stats)
+
+
+def _engine(stats: EngineStats) -> Iterator[Metric]:
+    yield _gauge("num_requests_running", "Sequences in the running batch.", stats.running)
+    yield _gauge("num_requests_waiting", "Sequences waiting for admission.", stats.waiting)
+    used = stats.total_pages - stats.free_pages
+    yield _gauge("kv_pages_total", "KV cache pages.", stats.total_pages)
+    yield _gauge("kv_pages_used", "KV cache pages in use (requests and prefix cache).", used)
+    ratio = used / stats.total_pages if stats.total_pages else 0.0
+    yield _gauge("kv_cache_usage_ratio", "Fraction of KV pages in use.", ratio)
+    yield _gauge(
+        "prefix_cache_sequences",
+        "Finished sequences kept for prefix reuse.",
+        stats.cached_sequences,
+    )
+    yield _counter("preemptions", "Requests preempted for KV space.", stats.preemptions)
+    yield _counter("engine_prefill_tokens", "Tokens prefilled.", stats.prefill_tokens)
+    yield _counter("engine_decode_tokens", "Tokens decoded.", stats.decode_tokens)
+    yield _step_histogram(stats.step_sizes)
+
+
+def _counter(name: str, help: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"{PREFIX}_{name}", help, value=value)  # exposed as name_total
+
+
+def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", help, value=value)
+
+
+def _step_histogram(step_sizes: Mapping[int, int]) -> HistogramMetricFamily:
+    """Sequences per engine step (decode + prefill): > 1 means requests were batched. The
+    bounds are written as integers (le="8", not "8.0"): dashboards and tests name them so."""
+    counts = [0] * (len(BATCH_BUCKETS) + 1)  # the last one is +Inf
+    total = 0
+    for size, steps in step_sizes.items():
         if size > 0:  # steps where nothing progressed (waiting for KV pages) are not batches
-            hist.observe(size, steps)
-    return hist
-
-
-def _num(value: float | str) -> str:
-    if isinstance(value, str):
-        return value
-    if float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
+            counts[bisect.bisect_left(BATCH_BUCKETS, size)] += steps
+            total += size * steps
+    cumulative, buckets = 0, []
+    for bound, count in zip((*map(str, BATCH_BUCKETS), "+Inf"), counts):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    return HistogramMetricFamily(
+        f"{PREFIX}_batch_size", "Sequences per engine step.", buckets=buckets, sum_value=total
+    )

@@ -1,7 +1,10 @@
 """The OpenAI request schema (pydantic, only here at the HTTP edge) and its conversion to
 engine types. Types are checked by pydantic; values by SamplingParams, whose errors name the
 field. Unknown request fields are ignored, as most OpenAI-compatible servers do, except the
-ones whose silent omission would change the meaning of a request (tools, suffix, best_of)."""
+ones whose silent omission would change the meaning of a request (tools, suffix, best_of).
+
+Checks here run before a prompt is tokenized, so that a bad request costs little: text that is
+not valid Unicode, the size of stop/stop_token_ids/logit_bias, and logit_bias keys."""
 
 from __future__ import annotations
 
@@ -16,6 +19,11 @@ from ..errors import MlcrunError
 MAX_N = 128
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
+MAX_STOP = 4  # stop strings, as OpenAI
+MAX_STOP_CHARS = 256  # each is matched against the text after every token
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_TOKEN_ID_DIGITS = 18  # longer keys name no token (and int() refuses over 4300 digits)
 
 
 class APIError(Exception):
@@ -55,8 +63,49 @@ def bad_value(err: MlcrunError) -> APIError:
     return APIError(400, str(err), param=match.group(1) if match else None)
 
 
+def _show(value: str, limit: int = 40) -> str:
+    """A user-given string for an error message: repr'd, and cut if long."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + "..."
+
+
+# JSON "\ud800" (or UTF-8 bytes of a surrogate) decodes to a str that cannot be encoded back:
+# it would fail later, in the tokenizer or while writing the answer, as a 500.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SCALARS = frozenset((int, float, bool, type(None)))
+
+
+def check_text(value: Any, param: str) -> None:
+    """A 400 naming the first string (or dict key) in `value` with a lone UTF-16 surrogate."""
+    if isinstance(value, str):
+        found = None if value.isascii() else _SURROGATE.search(value)
+        if found:
+            raise APIError(
+                400,
+                f"{param}: lone UTF-16 surrogate U+{ord(found.group()):04X} at index "
+                f"{found.start()}; text must be valid Unicode",
+                param=param,
+            )
+    elif isinstance(value, BaseModel):
+        for name, field in type(value).model_fields.items():
+            key = field.alias or name
+            check_text(getattr(value, name), f"{param}.{key}" if param else key)
+    elif isinstance(value, (list, tuple)):
+        if set(map(type, value)) <= _SCALARS:  # token ids: skipped without a Python loop
+            return
+        for i, item in enumerate(value):
+            check_text(item, f"{param}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, param)
+            check_text(item, f"{param}.{key}")
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    def check_text(self) -> None:
+        """Every string of the request is valid Unicode (see `check_text`)."""
+        check_text(self, "")
 
 
 class StreamOptions(_Model):
@@ -98,6 +147,44 @@ class _Sampling(_Model):
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
+
+    def check(self) -> None:
+        """Size limits and logit_bias keys (which the engine's int() parsing must not see)."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stop) > MAX_STOP:
+            raise APIError(400, f"stop: at most {MAX_STOP} strings, got {len(stop)}", param="stop")
+        long = next((s for s in stop if len(s) > MAX_STOP_CHARS), None)
+        if long is not None:
+            raise APIError(
+                400,
+                f"stop: each string is at most {MAX_STOP_CHARS} characters, got {len(long)}",
+                param="stop",
+            )
+        ids = self.stop_token_ids or []
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise APIError(
+                400,
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                param="stop_token_ids",
+            )
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise APIError(
+                400,
+                f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
+                param="logit_bias",
+            )
+        for key in bias:
+            # str.isdigit() also accepts "²" and other digits that int() refuses
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+                raise APIError(
+                    400,
+                    f"logit_bias: keys must be token ids (decimal integers), got {_show(key)}",
+                    param="logit_bias",
+                )
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         given = {
@@ -143,6 +230,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
     def check(self) -> None:
+        super().check()
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -174,48 +262,38 @@ class ChatCompletionRequest(_Sampling):
     functions: list[Any] | None = None
 
     def check(self) -> None:
+        super().check()
         if self.tools or self.functions:
             raise APIError(400, "tools and functions are not supported", param="tools")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise APIError(
+                400,
+                f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}",
+                param="max_completion_tokens",
+            )
+
+    @property
+    def asked_max_tokens(self) -> tuple[int | None, str]:
+        """The completion budget asked for and the field that asked: max_completion_tokens
+        (OpenAI's current name) wins over max_tokens; 0 is a value, not "unset"."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     @property
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def plain_messages(self) -> list[dict[str, str]]:
-        """The messages as {"role", "content"} strings, as chat templates expect them."""
-        out = []
-        for i, m in enumerate(self.messages):
-            role = "system" if m.role == "developer" else m.role
-            if role not in ("system", "user", "assistant"):
-                raise APIError(
-                    400,
-                    f"messages[{i}].role: {m.role!r} is not one of system, user, assistant",
-                    param=f"messages[{i}].role",
-                )
-            content = m.content
-            if content is None:
-                raise APIError(
-                    400, f"messages[{i}].content is required", param=f"messages[{i}].content"
-                )
-            if not isinstance(content, str):
-                bad = [p.type for p in content if p.type != "text" or p.text is None]
-                if bad:
-                    raise APIError(
-                        400,
-                        f"messages[{i}].content: only text parts are supported, got {bad[0]!r}",
-                        param=f"messages[{i}].content",
-                    )
-                content = "\n".join(p.text or "" for p in content)
-            out.append({"role": role, "content": content})
-        return out
+        return plain_messages(self.messages)
 
 
 class TokenizeRequest(_Model):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -223,3 +301,32 @@ class TokenizeRequest(_Model):
 class DetokenizeRequest(_Model):
     model: str | None = None
     tokens: list[int]
+
+
+def plain_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as {"role", "content"} strings, as chat templates expect them."""
+    out = []
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        if role not in ("system", "user", "assistant"):
+            raise APIError(
+                400,
+                f"messages[{i}].role: {_show(m.role)} is not one of system, user, assistant",
+                param=f"messages[{i}].role",
+            )
+        content = m.content
+        if content is None:
+            raise APIError(
+                400, f"messages[{i}].content is required", param=f"messages[{i}].content"
+            )
+        if not isinstance(content, str):
+            bad = [p.type for p in content if p.type != "text" or p.text is None]
+            if bad:
+                raise APIError(
+                    400,
+                    f"messages[{i}].content: only text parts are supported, got {_show(bad[0])}",
+                    param=f"messages[{i}].content",
+                )
+            content = "\n".join(p.text or "" for p in content)
+        out.append({"role": role, "content": content})
+    return out

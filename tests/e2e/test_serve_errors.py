@@ -1,10 +1,12 @@
-"""Every error the server answers, with OpenAI's status and shape; API key, body limit, full
-queue and graceful shutdown on a second, strict server; a hypothesis fuzz of the schema."""
+"""Every error the server answers, with OpenAI's status and shape and without a traceback in
+the server log; API key, body limit, full queue and graceful shutdown on a second, strict
+server; chat templates that fail on a third; a hypothesis fuzz of the schema."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 
 import httpx
@@ -14,8 +16,11 @@ from conftest import MODEL, ServerProcess
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from mlcrun.serve.protocol import MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+
 USER = [{"role": "user", "content": "hi"}]
 LONG = "x" * 300  # 301 tokens with BOS (one per byte), over the 256-token window
+LONE = "\ud800"  # a lone UTF-16 surrogate: valid JSON ("\\ud800"), not valid Unicode
 
 CASES = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
@@ -68,6 +73,57 @@ CASES = [  # (path, body, status, param)
     ("/v1/chat/completions", {"messages": USER, "model": "nope"}, 404, "model"),
     ("/v1/tokenize", {}, 400, "prompt"),
     ("/v1/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    # Each of these was a 500.
+    ("/v1/tokenize", {"messages": []}, 400, "messages"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"²": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": USER, "logit_bias": {"٣": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": LONE, "prompt": "hi"}, 400, "model"),
+    ("/v1/chat/completions", {"model": f"x{LONE}", "messages": USER}, 400, "model"),
+    ("/v1/completions", {"prompt": f"a{LONE}b"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", LONE]}, 400, "prompt[1]"),
+    (
+        "/v1/chat/completions",
+        {"messages": [USER[0], {"role": "user", "content": LONE}]},
+        400,
+        "messages[1].content",
+    ),
+    ("/v1/chat/completions", {"messages": USER, "stop": LONE}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["ok", LONE]}, 400, "stop[1]"),
+    ("/v1/tokenize", {"prompt": LONE}, 400, "prompt"),
+    (
+        "/v1/tokenize",
+        {"messages": [{"role": "user", "content": LONE}]},
+        400,
+        "messages[0].content",
+    ),
+    # Limits and values.
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "max_completion_tokens": 0, "max_tokens": 5},
+        400,
+        "max_completion_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "max_completion_tokens": 300},
+        400,
+        "max_completion_tokens",
+    ),
+    ("/v1/completions", {"prompt": "hi", "stop": ["s"] * (MAX_STOP + 1)}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": "s" * (MAX_STOP_CHARS + 1)}, 400, "stop"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "stop_token_ids": [5] * (MAX_STOP_TOKEN_IDS + 1)},
+        400,
+        "stop_token_ids",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}},
+        400,
+        "logit_bias",
+    ),
 ]
 
 
@@ -80,12 +136,20 @@ def assert_error_shape(r: httpx.Response, status: int) -> dict:
     return body["error"]
 
 
+def post(server, path: str, body) -> httpx.Response:
+    """POST `body` as JSON with non-ASCII escaped, so lone surrogates travel as "\\ud800"."""
+    headers = {"Content-Type": "application/json"}
+    return httpx.post(f"{server.base_url}{path}", content=json.dumps(body), headers=headers)
+
+
 @pytest.mark.parametrize("path,body,status,param", CASES)
 def test_error_status_and_shape(server, path, body, status, param):
-    r = httpx.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, timeout=30)
-    err = assert_error_shape(r, status)
+    seen = len(server.log())
+    err = assert_error_shape(post(server, path, {"model": MODEL, **body}), status)
     if param is not None:
         assert err["param"] == param, err
+        assert param in err["message"], err  # one line that names the field
+    assert "Traceback" not in server.log()[seen:]
 
 
 def test_context_errors_name_the_limits(server):
@@ -107,6 +171,17 @@ def test_protocol_errors(server):
     assert_error_shape(httpx.get(f"{url}/v1/nothing-here"), 404)
     assert_error_shape(httpx.get(f"{url}/v1/completions"), 405)
     assert_error_shape(httpx.get(f"{url}/v1/models/other"), 404)
+
+
+def test_metric_labels_stay_bounded(server):
+    """Made-up methods and paths are counted, under "other", never as labels of their own."""
+    key = 'mlcrun_http_requests_total{method="other",path="other",status="%d"}'
+    before = server.metrics()
+    statuses = [httpx.request(f"M{i}X", f"{server.base_url}/p/{i}").status_code for i in range(20)]
+    assert set(statuses) == {404}
+    m = server.metrics()
+    assert m[key % 404] - before.get(key % 404, 0) == 20
+    assert not [k for k in m if "M1X" in k or "/p/" in k]
 
 
 def test_openai_client_raises_typed_errors(client):
@@ -145,6 +220,16 @@ def test_api_key(strict):
     assert assert_error_shape(r, 401)["code"] == "invalid_api_key"
     assert [m.id for m in strict_client(strict).models.list()] == [MODEL]
     assert httpx.get(f"{strict.base_url}/health").status_code == 200  # open for probes
+    # The scheme is case-insensitive (RFC 7235); the key is not.
+    for header, status in (
+        ("bearer sekret", 200),
+        ("BEARER  sekret", 200),
+        ("Bearer SEKRET", 401),
+        ("Basic sekret", 401),
+        ("sekret", 401),
+    ):
+        r = httpx.get(f"{strict.base_url}/v1/models", headers={"Authorization": header})
+        assert r.status_code == status, (header, r.text)
 
 
 def test_oversized_body_is_413(strict):
@@ -186,6 +271,60 @@ def test_full_queue_is_429_and_shutdown_is_graceful(strict):
     assert asyncio.run(go()) in ("length", "abort")
     assert strict.proc.wait(30) == 0, strict.log()
     assert "Traceback" not in strict.log()
+
+
+# -- a model whose chat template fails at runtime on some conversations -------------------------
+
+TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ raise_exception('no system messages, please') }}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }} ({{ 100 // (m['content'] | length) }}%)\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def templated(artifacts, tmp_path_factory):
+    """The tiny model with TEMPLATE as its chat template (chat_template.jinja wins)."""
+    folder = tmp_path_factory.mktemp("templated") / "model"
+    shutil.copytree(artifacts("llama"), folder)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    proc = ServerProcess(folder, folder.parent / "server.log", "--served-model-name", MODEL)
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("", "ZeroDivisionError"),  # a Python error inside the template
+        ([{"type": "text", "text": ""}], "ZeroDivisionError"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/tokenize"])
+def test_template_runtime_errors_are_400(templated, path, content, message):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    err = assert_error_shape(post(templated, path, body), 400)
+    assert err["param"] == "messages" and message in err["message"], err
+    assert "Traceback" not in templated.log()
+
+
+def test_template_raise_exception_is_400(templated):
+    body = {"model": MODEL, "messages": [{"role": "system", "content": "x"}, *USER]}
+    err = assert_error_shape(post(templated, "/v1/chat/completions", body), 400)
+    assert err["param"] == "messages" and "no system messages, please" in err["message"]
+
+
+def test_template_that_renders_is_used(templated):
+    r = post(templated, "/v1/tokenize", {"model": MODEL, "messages": USER})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    want = post(templated, "/v1/tokenize", {"prompt": "user: hi (50%)\nassistant:"})
+    assert ids == want.json()["tokens"][1:]  # the same text, without BOS
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2}
+    r = post(templated, "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
+    assert "Traceback" not in templated.log()
 
 
 # -- fuzz -------------------------------------------------------------------------------------

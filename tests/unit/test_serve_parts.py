@@ -6,13 +6,25 @@ import numpy as np
 import pytest
 from checkpoints import write_tokenizer
 
+from mlcrun.chat_template import TemplateError, render
 from mlcrun.cli.serve import parse_kv_memory
 from mlcrun.engine.engine import EngineStats
 from mlcrun.errors import MlcrunError
 from mlcrun.serve.grammar import Grammars
 from mlcrun.serve.metrics import Metrics
-from mlcrun.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, ResponseFormat
+from mlcrun.serve.protocol import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+)
 from mlcrun.tokenizer import Tokenizer
+
+USER = {"role": "user", "content": "hi"}
 
 
 def test_sampling_errors_name_the_field():
@@ -52,6 +64,90 @@ def test_suffix_and_echo_with_logprobs_are_refused():
         with pytest.raises(APIError) as info:
             req.check()
         assert info.value.param == param
+
+
+def test_lone_surrogates_are_named():
+    cases = [
+        (CompletionRequest(model="\ud800", prompt="x"), "model"),
+        (CompletionRequest(prompt=["ok", "a\udfffb"]), "prompt[1]"),
+        (CompletionRequest(prompt="x", stop=["\ud800"]), "stop[0]"),
+        (CompletionRequest(prompt="x", logit_bias={"\ud800": 1}), "logit_bias"),
+        (ChatCompletionRequest(messages=[USER, {"role": "user", "content": "\udc00"}]),
+         "messages[1].content"),
+        (ChatCompletionRequest(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "ok"}, {"type": "text", "text": "\ud83d"}]}]),
+         "messages[0].content[1].text"),
+    ]  # fmt: skip
+    for req, param in cases:
+        with pytest.raises(APIError) as info:
+            req.check_text()
+        assert info.value.status == 400 and info.value.param == param, info.value.message
+        assert info.value.message.startswith(f"{param}: lone UTF-16 surrogate")
+    # a character outside the BMP, sent as a surrogate pair, is a single valid code point
+    ChatCompletionRequest(messages=[{"role": "user", "content": "🙂 é"}]).check_text()
+    CompletionRequest(prompt=[[1, 2], [3]]).check_text()
+
+
+def test_logit_bias_keys_are_ascii_token_ids():
+    for key in ("²", "١٢", "-1", "x", "1" * 19):  # "²".isdigit() is true, int("²") fails
+        req = CompletionRequest(prompt="x", logit_bias={key: 1})
+        with pytest.raises(APIError) as info:
+            req.check()
+        assert info.value.param == "logit_bias" and "token ids" in info.value.message
+    CompletionRequest(prompt="x", logit_bias={"007": 1}).check()
+
+
+def test_size_limits():
+    def param_of(**fields) -> str:
+        with pytest.raises(APIError) as info:
+            CompletionRequest(prompt="x", **fields).check()
+        return info.value.param
+
+    assert param_of(stop=["a", "b", "c", "d", "e"]) == "stop"
+    assert param_of(stop="s" * (MAX_STOP_CHARS + 1)) == "stop"
+    assert param_of(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))) == "stop_token_ids"
+    assert param_of(logit_bias={str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}) == "logit_bias"
+    CompletionRequest(
+        prompt="x",
+        stop=["s" * MAX_STOP_CHARS] * MAX_STOP,
+        stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)),
+        logit_bias={str(i): 1 for i in range(MAX_LOGIT_BIAS)},
+    ).check()
+
+
+def test_max_completion_tokens_zero_is_a_value():
+    req = ChatCompletionRequest(messages=[USER], max_completion_tokens=0, max_tokens=5)
+    with pytest.raises(APIError) as info:
+        req.check()
+    assert info.value.param == "max_completion_tokens"
+    req = ChatCompletionRequest(messages=[USER], max_completion_tokens=3, max_tokens=5)
+    assert req.asked_max_tokens == (3, "max_completion_tokens")
+    assert ChatCompletionRequest(messages=[USER]).asked_max_tokens == (None, "max_tokens")
+
+
+@pytest.mark.parametrize(
+    "template,error",
+    [
+        ("{{ messages[0]['content'] + 1 }}", "TypeError"),
+        ("{{ 1 // (messages | length - 1) }}", "ZeroDivisionError"),
+        ("{{ nothing.here }}", "UndefinedError"),
+        ("{{ messages[0]['content'].index('zz') }}", "ValueError"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+    ],
+)
+def test_chat_template_runtime_errors_are_clean(template, error):
+    with pytest.raises(MlcrunError) as info:
+        render(template, [USER])
+    message = str(info.value)
+    assert message.startswith(f"chat template failed: {error}") and "\n" not in message
+
+
+def test_chat_template_raise_exception_is_one_cut_line():
+    template = "{{ raise_exception('bad\nconversation: ' + messages[0]['content']) }}"
+    with pytest.raises(TemplateError) as info:
+        render(template, [{"role": "user", "content": "x" * 5000}])
+    assert str(info.value).startswith("chat template: bad conversation: xxx")
+    assert len(str(info.value)) < 400
 
 
 @pytest.fixture(scope="module")
@@ -110,16 +206,40 @@ def test_metrics_render_prometheus_text():
     m.ttft.observe(0.02)
     stats = EngineStats(total_pages=10, free_pages=7, step_sizes={1: 5, 3: 2})
     text = m.render(stats)
-    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    samples = {
+        key: float(value)
+        for key, value in (line.rsplit(" ", 1) for line in text.splitlines())
+        if not key.startswith("#")
+    }
     assert (
         samples['mlcrun_http_requests_total{method="POST",path="/v1/completions",status="200"}']
-        == "1"
+        == 1
     )
-    assert samples["mlcrun_kv_pages_used"] == "3"
-    assert samples['mlcrun_batch_size_bucket{le="1"}'] == "5"
-    assert samples['mlcrun_batch_size_bucket{le="4"}'] == "7"
-    assert samples["mlcrun_batch_size_count"] == "7"
-    assert samples['mlcrun_time_to_first_token_seconds_bucket{le="0.025"}'] == "1"
+    assert samples["mlcrun_kv_pages_used"] == 3
+    assert samples['mlcrun_batch_size_bucket{le="1"}'] == 5
+    assert samples['mlcrun_batch_size_bucket{le="4"}'] == 7
+    assert samples["mlcrun_batch_size_count"] == 7
+    assert samples['mlcrun_time_to_first_token_seconds_bucket{le="0.025"}'] == 1
+    assert not any("_created" in key for key in samples)
+
+
+def test_metric_labels_have_fixed_values():
+    m = Metrics("tiny")
+    for i in range(50):
+        m.count_request(f"M{i}", "other", 405)  # any method string a client sends
+    m.record_choice("stop", None)
+    m.record_choice("made-up", None)
+    text = m.render(EngineStats())
+    assert text.count("mlcrun_http_requests_total{") == 1
+    assert 'method="other",path="other",status="405"} 50.0' in text
+    assert 'finish_reason="stop"} 1.0' in text and 'finish_reason="other"} 1.0' in text
+    assert 'finish_reason="made-up"' not in text
+
+
+def test_each_server_has_its_own_registry():
+    a, b = Metrics("a"), Metrics("b")
+    a.count_request("GET", "/health", 200)
+    assert "/health" in a.render(EngineStats()) and "/health" not in b.render(EngineStats())
 
 
 def test_parse_kv_memory():
