@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import threading
 from pathlib import Path
 
 from rich.console import Console
@@ -65,27 +67,63 @@ def run_repl(conv: Conversation) -> None:
             continue
         if not text.strip():
             continue
-        if text.startswith("/"):
-            try:
-                if _command(console, conv, text.strip()):
-                    return
-            except MlcrunError as err:
-                console.print(f"[red]{err}[/]")
-            continue
-        _answer(console, conv, text)
+        try:
+            if text.startswith("/"):
+                try:
+                    if _command(console, conv, text.strip()):
+                        return
+                except MlcrunError as err:
+                    console.print(f"[red]{err}[/]")
+            else:
+                _answer(console, conv, text)
+        except KeyboardInterrupt:  # Ctrl-C outside an answer (just as one ends, say)
+            console.print()
+
+
+class _CtrlC:
+    """While an answer streams, Ctrl-C asks it to stop at its next piece of text, rather than
+    raising KeyboardInterrupt wherever the main thread happens to be (inside an engine step,
+    say, leaving the engine half-updated). A second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._installed = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _answer(console: Console, conv: Conversation, text: str) -> None:
     answer = conv.ask(text)
-    try:
-        for piece in answer:
-            console.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
-    except KeyboardInterrupt:
+    stopped = False
+    with _CtrlC() as ctrl_c:
+        try:
+            for piece in answer:
+                console.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
+                if ctrl_c.pressed:
+                    stopped = True
+                    break
+        except KeyboardInterrupt:
+            stopped = True
+        except MlcrunError as err:
+            console.print(f"[red]{err}[/]")
+        finally:
+            answer.close()  # aborts the request if it is still running
+    if stopped:
         console.print("\n[dim](stopped)[/]")
-    except MlcrunError as err:
-        console.print(f"[red]{err}[/]")
-    finally:
-        answer.close()  # aborts the request if it is still running
     console.print()
     for notice in conv.notices:
         console.print(f"[dim]{notice}[/]")

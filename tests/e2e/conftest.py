@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,14 @@ import pytest
 
 MODEL = "tiny"
 READY = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
+
+
+# Generous bounds for waits on a real condition: they only matter when something is broken,
+# and then the test fails saying what it waited for. A loaded 2-core CI machine must never
+# reach them.
+READY_TIMEOUT = 600
+WAIT_TIMEOUT = 300
+POLL = 0.05
 
 
 class ServerProcess:
@@ -28,10 +37,11 @@ class ServerProcess:
             stderr=self._log,
             env={**os.environ, "TVM_NUM_THREADS": "1"},
         )
-        self.port = self._wait_ready(timeout=120)
+        self.port = self._wait_ready(timeout=READY_TIMEOUT)
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def _wait_ready(self, timeout: float) -> int:
+        """The port from the server's "listening on" line (it only binds once it can serve)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             match = READY.search(self.log_path.read_text())
@@ -39,7 +49,7 @@ class ServerProcess:
                 return int(match.group(1))
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log()}")
-            time.sleep(0.05)
+            time.sleep(POLL)
         self.proc.kill()
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
 
@@ -48,7 +58,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples: 'name{labels}' -> value."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.base_url}/metrics", timeout=WAIT_TIMEOUT).text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -56,21 +66,43 @@ class ServerProcess:
                 out[key] = float(value)
         return out
 
-    def wait_idle(self, timeout: float = 30) -> dict[str, float]:
-        """Metrics once nothing is running, waiting or in flight."""
+    def wait_for(
+        self,
+        condition: Callable[[dict[str, float]], bool],
+        what: str,
+        timeout: float = WAIT_TIMEOUT,
+    ) -> dict[str, float]:
+        """Metrics once `condition(metrics)` holds; fails the test, showing the last metrics
+        and the server's log, if it does not within `timeout` seconds."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            busy = (
-                m["mlcrun_num_requests_running"]
-                + m["mlcrun_num_requests_waiting"]
-                + m["mlcrun_requests_in_flight"]
-            )
-            if busy == 0 or time.monotonic() > deadline:
+            if condition(m):
                 return m
-            time.sleep(0.05)
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited waiting for {what}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                shown = "\n".join(f"  {k} {v:g}" for k, v in sorted(m.items()))
+                raise AssertionError(
+                    f"waited {timeout}s for {what}; last metrics:\n{shown}\n"
+                    f"server log (end):\n{self.log()[-4000:]}"
+                )
+            time.sleep(POLL)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+    def wait_idle(self, timeout: float = WAIT_TIMEOUT) -> dict[str, float]:
+        """Metrics once nothing is running, waiting or in flight (fails the test otherwise)."""
+        return self.wait_for(
+            lambda m: (
+                m["mlcrun_num_requests_running"] == 0
+                and m["mlcrun_num_requests_waiting"] == 0
+                and m["mlcrun_requests_in_flight"] == 0
+            ),
+            "the server to be idle (nothing running, waiting or in flight)",
+            timeout,
+        )
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = WAIT_TIMEOUT) -> int:
+        """Signal the server and return its exit code; killed (-9) if it does not exit."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -90,7 +122,7 @@ def server(artifacts, tmp_path_factory):
     proc = ServerProcess(folder, log, "--served-model-name", MODEL, "--max-num-seqs", "16")
     yield proc
     code = proc.stop()
-    assert code == 0, proc.log()
+    assert code == 0, f"the server exited with {code}:\n{proc.log()}"
     assert "Traceback" not in proc.log(), proc.log()
 
 

@@ -15,7 +15,9 @@ def run_chat(*args, stdin=None, env=None):
         input=stdin,
         capture_output=True,
         text=True,
-        timeout=600,
+        # Generous: the first run compiles, which took 188 s on 2 cores under heavy load. Only a
+        # hang should get here.
+        timeout=1800,
         env={**os.environ, **(env or {})},
     )
 

@@ -15,13 +15,23 @@ from mlcrun.compiler.build import compile_model
 from mlcrun.compiler.options import CompileOptions
 
 PROMPT = "> "
+# Generous bounds for each wait on the terminal: they only matter when something is broken,
+# and then pexpect's TIMEOUT shows what the REPL printed. A loaded CI machine must never
+# reach them.
+TIMEOUT = 300
+QUESTION = "tell me everything"
+LONG = 8000  # an answer this long takes the REPL tens of seconds: Ctrl-C always lands in it
+# /stats, which rich may wrap anywhere between words
+STATS = re.compile(
+    r"prompt\s+(\d+)\s+tokens\s+\(\d+\s+cached\),.*?answer\s+(\d+)\s+tokens\s+at", re.S
+)
 
 
 @pytest.fixture(scope="module")
 def long_context_artifact(tmp_path_factory):
-    """A tiny model with a 4096-token window, so an answer can run long enough to interrupt."""
+    """A tiny model with an 8192-token window, so an answer can run long enough to interrupt."""
     root = tmp_path_factory.mktemp("repl")
-    ckpt = build_checkpoint("llama", root / "ckpt", max_position_embeddings=4096)
+    ckpt = build_checkpoint("llama", root / "ckpt", max_position_embeddings=8192)
     return compile_model(str(ckpt), root / "art", CompileOptions())
 
 
@@ -38,12 +48,31 @@ def spawn(folder, tmp_path, *args):
         ["-m", "mlcrun", "chat", str(folder), *args],
         env=env,
         encoding="utf-8",
-        timeout=60,
+        timeout=TIMEOUT,
         dimensions=(40, 200),
     )
     child.expect("mlcrun chat")
     child.expect_exact(PROMPT)
     return child
+
+
+def as_shown(text: str) -> str:
+    """A regex for `text` as the REPL shows it: its visible characters in order. Whitespace and
+    control characters may differ (the terminal turns \\n into \\r\\n, rich drops some)."""
+    visible = [c for c in text if c.isprintable() and not c.isspace()]
+    return r"[\s\x00-\x1f\x7f]*".join(map(re.escape, visible))
+
+
+def first_words(folder, question: str, params: SamplingParams, visible: int = 12) -> str:
+    """The start of the answer to `question` (at least `visible` visible characters)."""
+    answer = Conversation(LLM(folder), params).ask(question)
+    text = ""
+    for piece in answer:
+        text += piece
+        if sum(c.isprintable() and not c.isspace() for c in text) >= visible:
+            break
+    answer.close()
+    return text
 
 
 def answer(child, text):
@@ -88,22 +117,45 @@ def test_commands_and_seeded_set(artifacts, tmp_path):
 
 
 def test_streaming_and_ctrl_c_interrupts_an_answer(long_context_artifact, tmp_path):
-    child = spawn(
-        long_context_artifact, tmp_path, "--max-tokens", "3500", "--temperature", "1", "--seed", "1"
-    )
-    child.sendline("tell me everything")
-    child.expect(r"tell me everything\r?\n")
-    child.expect(r"\S{8,}")  # text streams in while the answer is still being generated
+    args = ("--max-tokens", LONG, "--temperature", "1", "--top-p", "1", "--seed", "1")
+    child = spawn(long_context_artifact, tmp_path, *map(str, args))
+    assert "'max_tokens': 8000" in answer(child, f"/set min_tokens={LONG}")  # no early EOS
+    params = SamplingParams(max_tokens=LONG, min_tokens=LONG, temperature=1, top_p=1, seed=1)
+    start = first_words(long_context_artifact, QUESTION, params)
+
+    child.sendline(QUESTION)
+    # The answer's own first words on screen: it is streaming (Ctrl-C any earlier would only
+    # cancel the line being typed). The rest of it takes the REPL tens of seconds.
+    child.expect(as_shown(start))
     child.sendintr()
     child.expect_exact("(stopped)")
     child.expect_exact(PROMPT)
-    assert answer(child, "/stats")  # the REPL is alive and the next question works
+    stats = STATS.search(answer(child, "/stats"))
+    assert stats, child.before
+    prompt_tokens, answered = map(int, stats.groups())
+    assert 1 <= answered < LONG  # stopped part way
+    save = tmp_path / "stopped.json"
+    answer(child, f"/save {save}")
+    question, stopped = json.loads(save.read_text())["messages"]
+    assert question == {"role": "user", "content": QUESTION}
+    assert stopped["role"] == "assistant" and stopped["content"].startswith(start)
+
+    # The REPL is alive and the next question works, with the stopped answer in its history.
+    answer(child, "/set min_tokens=0;max_tokens=16")
     child.sendline("again")
-    child.expect_exact(PROMPT, timeout=120)
+    # Typed ahead, read once the answer is over. (Waiting for the prompt instead could match
+    # a "> " inside the random model's answer.)
+    child.sendline("/stats")
+    child.expect(STATS)
+    assert int(child.match.group(1)) > prompt_tokens  # the conversation goes on
+    assert 1 <= int(child.match.group(2)) <= 16
+    child.expect_exact(PROMPT)
     child.sendintr()  # Ctrl-C at an empty prompt just gives a new prompt
     child.expect_exact(PROMPT)
     child.sendeof()
     child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
 
 
 def test_conversation_longer_than_the_context_window(artifacts, tmp_path):
