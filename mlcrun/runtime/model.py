@@ -76,7 +76,7 @@ class Model:
         self._f = {name: self._vm[name] for name in abi.MODEL_FUNCTIONS}
         self._kv = None
         self._kv_settings: dict[str, int] = {}
-        self._trees: dict[int, tuple[list[int], np.ndarray]] = {}  # last verified trees
+        self._trees: dict[int, list[int]] = {}  # parent pointers of the last verified trees
 
     # ---------------------------------------------------------------- info
     @property
@@ -165,44 +165,47 @@ class Model:
         the same sequences, in the same order, as the last batch_verify."""
         if list(self._trees) != list(seq_ids):
             raise MlcrunError("commit must name the sequences of the last batch_verify, in order")
-        paths = {}
-        for seq_id, leaf in zip(seq_ids, accepted_leaf_indices, strict=True):
-            parents, _ = self._trees[seq_id]
-            if not 0 <= leaf < len(parents):
+        leaves = [int(leaf) for leaf in accepted_leaf_indices]
+        for seq_id, leaf in zip(seq_ids, leaves, strict=True):
+            if not 0 <= leaf < len(self._trees[seq_id]):
                 raise MlcrunError(f"accepted leaf {leaf} is not a node of sequence {seq_id}'s tree")
-            path = []
-            while leaf >= 0:
-                path.append(leaf)
-                leaf = parents[leaf]
-            paths[seq_id] = path[::-1]
         trees, self._trees = self._trees, {}
-        needs_copy = any(path != list(range(len(path))) for path in paths.values())
-        if len(seq_ids) > 1 and needs_copy:
-            self._commit_by_recompute(trees, paths)
-        else:
-            _call(
-                abi.KV_COMMIT_TREE,
-                self.kv,
-                ShapeTuple(list(seq_ids)),
-                ShapeTuple(list(accepted_leaf_indices)),
-            )
+        order = self._tree_commit_order(list(trees.values()))  # as batch_verify ran them
+        _call(
+            abi.KV_COMMIT_TREE,
+            self.kv,
+            ShapeTuple([int(seq_ids[i]) for i in order]),
+            ShapeTuple([leaves[i] for i in order]),
+        )
 
-    def _commit_by_recompute(self, trees, paths: dict[int, list[int]]) -> None:
-        """TVM-0.27-TREE-COMMIT: with several sequences in one commit, apache-tvm 0.27's CPU
-        KV cache sometimes moves accepted nodes to the wrong slots (a sequence whose path is
-        not already contiguous gets corrupted K/V). Instead, keep only each tree's root, then
-        prefill the rest of each accepted path again: the same K/V, one extra small forward.
-        tests/compiled/test_kv.py::test_upstream_multi_sequence_commit_bug fails once fixed."""
-        seq_ids = list(paths)
-        _call(abi.KV_COMMIT_TREE, self.kv, ShapeTuple(seq_ids), ShapeTuple([0] * len(seq_ids)))
-        rows, redo, lengths = [], [], []
-        for seq_id, path in paths.items():
-            if len(path) > 1:
-                rows.append(trees[seq_id][1][path[1:]])
-                redo.append(seq_id)
-                lengths.append(len(path) - 1)
-        if redo:
-            self._prefill(tvm.runtime.tensor(np.concatenate(rows), self.device), redo, lengths)
+    @staticmethod
+    def _tree_commit_order(trees: Sequence[Sequence[int]]) -> list[int]:
+        """TVM-0.27-TREE-COMMIT: the order (indices into `trees`, the parent pointers of each
+        sequence's tree in the caller's order) in which batch_verify hands the sequences to the
+        KV cache, and commit names them: the caller's order, except that when the last tree is
+        a chain and another one is not, the last non-chain tree moves to the end.
+
+        Root cause, apache-tvm 0.27 `PagedAttentionKVCacheObj::CommitAcceptedTokenTreeNodes`
+        (src/runtime/vm/paged_kv_cache.cc): its loop over the sequences does
+        `is_chain = it->second.is_chain;`, overwriting instead of AND-ing, and only
+        `if (!is_chain)` builds the copy lists and runs CompactKVCopy. So the LAST sequence's
+        tree decides for all: when it is a chain (every parent is the previous node), no
+        sequence's accepted nodes are moved, and a path that is not a prefix of its tree keeps
+        the K/V of the wrong nodes (PopN then keeps the first `depth + 1` slots). When the last
+        tree is not a chain, the copy lists are right for every sequence (a chain's path needs
+        no copy) and the copy kernel (`compact_kv_copy_cpu`) is correct. The commit cannot be
+        reordered or split instead: it reads the verify's per-batch-index state
+        (append_position_map, cur_seq_ids_, cur_append_lengths_, and cur_batch_size_ as the
+        copy kernel's batch size), so it must name the verify's sequences in the verify's
+        order. Hence the order is chosen at verify time; it costs a row permutation of the
+        embeddings and logits, and only in batches that need it.
+        tests/compiled/test_kv.py::test_upstream_multi_sequence_commit_bug fails once upstream
+        is fixed; then this method (and its use in batch_verify) can go."""
+        chain = [all(p == i - 1 for i, p in enumerate(parents)) for parents in trees]
+        order = list(range(len(trees)))
+        if chain and chain[-1] and not all(chain):
+            order.append(order.pop(max(i for i, c in enumerate(chain) if not c)))
+        return order
 
     def enable_sliding_window_for_seq(self, seq_id: int) -> None:
         """No-op for models without a sliding window."""
@@ -310,15 +313,22 @@ class Model:
         parents = list(token_tree_parent_ptr)
         if len(parents) != sum(lengths):
             raise MlcrunError("token_tree_parent_ptr must have one entry per tree node")
+        starts = np.cumsum([0, *lengths])
+        trees = [parents[starts[i] : starts[i + 1]] for i in range(len(seq_ids))]
+        order = self._tree_commit_order(trees)  # TVM-0.27-TREE-COMMIT: the cache's order
+        rows = None
+        if order != sorted(order):
+            rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in order])
+            embeddings = tvm.runtime.tensor(embeddings.numpy()[rows], self.device)
+            parents = [parents[r] for r in rows]
         x = embeddings._create_view((1, int(sum(lengths)), self.config.hidden_size))
-        out = self._forward(abi.BATCH_VERIFY, [x], seq_ids, lengths, parents)
-        rows = embeddings.numpy()
-        offset = 0
-        for seq_id, n in zip(seq_ids, lengths):
-            # Kept for commit: parent pointers, and embeddings for TVM-0.27-TREE-COMMIT.
-            self._trees[seq_id] = (parents[offset : offset + n], rows[offset : offset + n])
-            offset += n
-        return out[0].numpy()[0]
+        seq_order, length_order = [seq_ids[i] for i in order], [lengths[i] for i in order]
+        out = self._forward(abi.BATCH_VERIFY, [x], seq_order, length_order, parents)
+        self._trees = dict(zip(seq_ids, trees, strict=True))  # parent pointers, for commit
+        logits = out[0].numpy()[0]
+        if rows is not None:
+            logits[rows] = logits.copy()  # back to the caller's order
+        return logits
 
     # ---------------------------------------------------------------- helpers
     def _forward(self, name: str, inputs: list, seq_ids, lengths, parents=None):

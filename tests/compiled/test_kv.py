@@ -117,31 +117,122 @@ def test_context_window_is_enforced(setup):
         prefill(model, 0, [5] * (window + 1))
 
 
-def _verify_two_trees(model):
-    """seq 0: tree a-b, a-c, b-d over PROMPT; seq 1: chain x-y over PROMPT[:7]."""
+def _verify_trees(model, seqs):
+    """seqs: (seq_id, prompt length, tree tokens, tree parent pointers), prefilled then verified
+    in this order."""
     model.reset()
-    model.add_new_sequence(0)
-    model.add_new_sequence(1)
-    model.batch_prefill(model.token_embed(PROMPT + PROMPT[:7]), [0, 1], [len(PROMPT), 7])
-    model.batch_verify(
-        model.token_embed([20, 21, 22, 23, 30, 31]), [0, 1], [4, 2], [-1, 0, 0, 1, -1, 0]
+    for seq_id, *_ in seqs:
+        model.add_new_sequence(seq_id)
+    model.batch_prefill(
+        model.token_embed(sum((PROMPT[:n] for _, n, _, _ in seqs), [])),
+        [s[0] for s in seqs],
+        [s[1] for s in seqs],
+    )
+    return model.batch_verify(
+        model.token_embed(sum((s[2] for s in seqs), [])),
+        [s[0] for s in seqs],
+        [len(s[2]) for s in seqs],
+        sum((s[3] for s in seqs), []),
     )
 
 
-def test_upstream_multi_sequence_commit_bug(setup):
-    """TVM-0.27-TREE-COMMIT (runtime/model.py): the raw builtin corrupts sequence 0 here.
-    When this test fails, upstream is fixed: drop Model._commit_by_recompute."""
+TREE = (0, len(PROMPT), [20, 21, 22, 23], [-1, 0, 0, 1])  # not a chain; leaf 3: path a-b-d
+CHAIN = (1, 7, [30, 31], [-1, 0])
+
+
+@pytest.fixture
+def upstream_order(monkeypatch):
+    """batch_verify hands the sequences to the cache in the caller's order, as without
+    TVM-0.27-TREE-COMMIT."""
+    monkeypatch.setattr(Model, "_tree_commit_order", staticmethod(lambda t: list(range(len(t)))))
+
+
+def _raw_commit(model, seq_ids, leaves):
+    """The builtin itself, behind Model's back (no TVM-0.27-TREE-COMMIT ordering)."""
     import tvm
     from tvm.runtime import ShapeTuple
 
     from mlcrun import abi
 
+    model._trees = {}
+    tvm.get_global_func(abi.KV_COMMIT_TREE)(model.kv, ShapeTuple(seq_ids), ShapeTuple(leaves))
+
+
+def test_upstream_multi_sequence_commit_bug(setup, upstream_order):
+    """TVM-0.27-TREE-COMMIT (runtime/model.py): the raw builtin corrupts sequence 0 here,
+    because the last sequence's tree is a chain (upstream's commit takes `is_chain` from the
+    last sequence only, and then moves no K/V at all). When this test fails, upstream is
+    fixed: drop Model._tree_commit_order."""
     model, ref = setup
-    _verify_two_trees(model)
-    tvm.get_global_func(abi.KV_COMMIT_TREE)(model.kv, ShapeTuple([0, 1]), ShapeTuple([3, 0]))
-    model._trees = {}  # committed behind Model's back
+    model.create_kv_cache()
+    _verify_trees(model, [TREE, CHAIN])
+    _raw_commit(model, [0, 1], [3, 0])
     out = decode(model, [0, 1], [99, 98])
     assert np.abs(out[0] - expect(ref, PROMPT + [20, 21, 23, 99])).max() > 1e-2
+    np.testing.assert_allclose(out[1], expect(ref, PROMPT[:7] + [30, 98]), atol=TOL, rtol=0)
+
+
+def test_upstream_commit_is_exact_when_last_tree_is_not_a_chain(setup, upstream_order):
+    """What TVM-0.27-TREE-COMMIT relies on: the same trees verified and committed with the
+    non-chain tree last are exact (upstream's compaction, CPU kernel included, is right)."""
+    model, ref = setup
+    model.create_kv_cache()
+    _verify_trees(model, [CHAIN, TREE])
+    _raw_commit(model, [1, 0], [0, 3])
+    out = decode(model, [1, 0], [98, 99])
+    np.testing.assert_allclose(out[0], expect(ref, PROMPT[:7] + [30, 98]), atol=TOL, rtol=0)
+    np.testing.assert_allclose(out[1], expect(ref, PROMPT + [20, 21, 23, 99]), atol=TOL, rtol=0)
+
+
+def test_upstream_commit_must_name_the_verified_batch(setup, upstream_order):
+    """Why TVM-0.27-TREE-COMMIT cannot commit one sequence at a time instead: upstream's commit
+    reads the verify's state by batch index (the copy kernel gets the verify's batch size, and
+    PopN the verify's i-th sequence)."""
+    model, _ = setup
+    model.create_kv_cache()
+    _verify_trees(model, [TREE, CHAIN])
+    with pytest.raises(ValueError, match="batch_size"):
+        _raw_commit(model, [0], [3])  # needs a copy: the kernel rejects a batch of one
+    model.create_kv_cache()
+    _verify_trees(model, [TREE, CHAIN])
+    _raw_commit(model, [1], [1])  # no copy: pops sequence 0's tree, keeps all of sequence 1's
+    assert model.sequence_length(0) == len(PROMPT) + 2
+    assert model.sequence_length(1) == 7 + 2
+
+
+@pytest.mark.parametrize(
+    ("trees", "order"),
+    [
+        ([], []),
+        ([[-1]], [0]),
+        ([[-1, 0], [-1, 0, 1]], [0, 1]),  # all chains: nothing to move
+        ([[-1, 0], [-1, 0, 0]], [0, 1]),  # the last tree is not a chain
+        ([[-1, 0, 0], [-1, 0]], [1, 0]),
+        ([[-1, 0, 0], [-1], [-1, -1], [-1, 0]], [0, 1, 3, 2]),  # the last non-chain moves
+        ([[-1, 0, 0], [-1, 0], [-1]], [1, 2, 0]),
+    ],
+)
+def test_tree_commit_order(trees, order):
+    assert Model._tree_commit_order(trees) == order
+
+
+def test_verify_logits_keep_the_callers_order_when_reordered(setup):
+    """[TREE, CHAIN] runs as [CHAIN, TREE] in the cache (TVM-0.27-TREE-COMMIT); the logits and
+    the commit still follow the caller's order."""
+    model, ref = setup
+    model.create_kv_cache()
+    logits = _verify_trees(model, [TREE, CHAIN])
+    paths = [[20], [20, 21], [20, 22], [20, 21, 23]]
+    for i, path in enumerate(paths):
+        np.testing.assert_allclose(logits[i], expect(ref, PROMPT + path), atol=TOL, rtol=0)
+    for i, path in enumerate([[30], [30, 31]]):
+        np.testing.assert_allclose(logits[4 + i], expect(ref, PROMPT[:7] + path), atol=TOL, rtol=0)
+    with pytest.raises(MlcrunError, match="in order"):
+        model.commit_accepted_token_tree_nodes([1, 0], [0, 3])
+    model.commit_accepted_token_tree_nodes([0, 1], [3, 0])
+    out = decode(model, [0, 1], [99, 98])
+    np.testing.assert_allclose(out[0], expect(ref, PROMPT + [20, 21, 23, 99]), atol=TOL, rtol=0)
+    np.testing.assert_allclose(out[1], expect(ref, PROMPT[:7] + [30, 98]), atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -178,4 +269,78 @@ def test_random_tree_batches_commit_exactly(setup, seed):
                 atol=TOL,
                 rtol=0,
                 err_msg=f"sizes={sizes} parents={parents} leaves={leaves}",
+            )
+
+
+def _random_tree(rng, size, chain):
+    """Parent pointers of a random tree of `size` nodes (a chain if `chain`; else a random
+    tree, sometimes with a second root)."""
+    if chain or size == 1:
+        return [j - 1 for j in range(size)]
+    parents = [-1] + [int(rng.integers(-1 if rng.random() < 0.1 else 0, j)) for j in range(1, size)]
+    if parents == [j - 1 for j in range(size)]:
+        parents[-1] = parents[-1] - 1  # make sure it is not a chain
+    return parents
+
+
+def _path(parents, leaf):
+    path = []
+    while leaf >= 0:
+        path.append(leaf)
+        leaf = parents[leaf]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_multi_step_tree_commits_are_exact(setup, seed):
+    """TVM-0.27-TREE-COMMIT under stress: 2-6 sequences with arbitrary ids, two verify+commit
+    rounds each in a random sequence order, chains and trees (often a chain last), accepted
+    paths that need K/V moves and paths that do not, trees across page boundaries; every
+    verify logit and the decode after the commits against the reference."""
+    model, ref = setup
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(3):
+        n = int(rng.integers(2, 7))
+        seq_ids = rng.choice(50, size=n, replace=False).tolist()
+        history = {s: PROMPT[: int(rng.integers(1, len(PROMPT) + 1))] for s in seq_ids}
+        model.reset()
+        for s in seq_ids:
+            model.add_new_sequence(s)
+            prefill(model, s, history[s])  # one at a time: within the prefill chunk
+        for _round in range(2):
+            order = rng.permutation(seq_ids).tolist()
+            last_chain = bool(rng.random() < 0.6)
+            trees, tokens, leaves = [], [], []
+            for k in range(len(order)):
+                size = int(rng.integers(1, 9))
+                chain = last_chain if k == len(order) - 1 else bool(rng.random() < 0.3)
+                trees.append(_random_tree(rng, size, chain))
+                tokens.append(rng.integers(3, 320, size=size).tolist())
+                leaves.append(int(rng.integers(0, size)))
+            logits = model.batch_verify(
+                model.token_embed(sum(tokens, [])),
+                order,
+                [len(t) for t in trees],
+                sum(trees, []),
+            )
+            row = 0
+            for s, parents, toks in zip(order, trees, tokens, strict=True):
+                for node in range(len(parents)):
+                    path = [toks[j] for j in _path(parents, node)]
+                    np.testing.assert_allclose(
+                        logits[row],
+                        expect(ref, history[s] + path),
+                        atol=TOL,
+                        rtol=0,
+                        err_msg=f"verify: order={order} trees={trees} seq={s} node={node}",
+                    )
+                    row += 1
+            model.commit_accepted_token_tree_nodes(order, leaves)
+            for s, parents, toks, leaf in zip(order, trees, tokens, leaves, strict=True):
+                history[s] = history[s] + [toks[j] for j in _path(parents, leaf)]
+                assert model.sequence_length(s) == len(history[s])
+        out = decode(model, seq_ids, [99] * n)
+        for i, s in enumerate(seq_ids):
+            np.testing.assert_allclose(
+                out[i], expect(ref, history[s] + [99]), atol=TOL, rtol=0, err_msg=f"seq {s}"
             )
