@@ -4,6 +4,7 @@ DIR/mlcrun-config.json   everything the runtime needs to know (this module's Art
 DIR/params/*.safetensors converted weights, named by our param names
 DIR/lib/<target>.so      the TVM library (it carries its own metadata, see abi.METADATA)
 DIR/tokenizer files      TOKENIZER_FILES, those the checkpoint has
+DIR/draft-<q>/           optional: a self-draft, itself a complete artifact (compiler/draft.py)
 
 The library is native code that loading runs, so the config may only name files inside the
 folder (checked by `read`) and the library's bytes must hash to `library_sha256` (checked by
@@ -69,6 +70,8 @@ class Artifact:
     tokenizer_files: tuple[str, ...] = ()
     chat_template: str | None = None
     generation: dict[str, Any] = field(default_factory=dict)
+    # A self-draft (compiler/draft.py): the params_sha256 of the artifact its weights came from.
+    draft_of: str | None = None
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:

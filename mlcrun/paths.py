@@ -16,3 +16,8 @@ def mlcrun_home() -> Path:
     if home.exists() and not home.is_dir():
         raise MlcrunError(f"{env.MLCRUN_HOME}={text} is not a directory")
     return home
+
+
+def drafts_dir() -> Path:
+    """Self-drafts built on demand from compiled models (compiler/draft.py), by params hash."""
+    return mlcrun_home() / "drafts"

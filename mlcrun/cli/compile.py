@@ -32,6 +32,12 @@ def compile_command(
     page_size: int = typer.Option(
         16, "--page-size", help="Tokens per KV-cache page (cpu: 16 only)."
     ),
+    draft_quantization: str = typer.Option(
+        None,
+        "--draft-quantization",
+        help="Also write OUT/draft-Q/: the model's own weights in Q (e.g. q4f16_1+q8f32), a "
+        "draft for self-speculative decoding of q0f32, q0f16 and q8f32 models.",
+    ),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT if it exists."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log each phase."),
     list_quantizations: bool = typer.Option(
@@ -64,9 +70,24 @@ def compile_command(
         max_batch=max_batch,
         page_size=page_size,
     )
-    if not force and is_up_to_date(model, output, options):
+    if draft_quantization is not None:
+        from ..compiler import draft
+
+        draft.draft_preset(draft_quantization)  # an unknown preset fails before the compile
+        if quantization != "auto":
+            draft.check_helps(quantization, draft_quantization)
+    model_done = not force and is_up_to_date(model, output, options)
+    if model_done and (
+        draft_quantization is None or draft.draft_is_up_to_date(output, draft_quantization)
+    ):
         err_console.print(f"{output} is up to date (use --force to rebuild)", highlight=False)
         return
     with RichProgress() as progress:
-        out = compile_model(model, output, options, force=force, progress=progress)
-    err_console.print(f"[green]compiled[/] {model} -> {out}", highlight=False)
+        if not model_done:
+            out = compile_model(model, output, options, force=force, progress=progress)
+            err_console.print(f"[green]compiled[/] {model} -> {out}", highlight=False)
+        if draft_quantization is not None:
+            # After the model, atomically on its own: a failed draft leaves OUT complete
+            # without it, and the same command again builds only the draft.
+            path = draft.compile_draft(output, draft_quantization, progress=progress)
+            err_console.print(f"[green]draft[/] {draft_quantization} -> {path}", highlight=False)
