@@ -1,9 +1,10 @@
 """A benchmark's results: the JSON document (schema "mlcrun-bench/1"), tables and a plot.
 
 A document is {"schema", "mode", "created", "command", "mlcrun_version", "machine", "model",
-"config", "runs"}. Mode "kernel" has kernel runs (one per test, like llama-bench's pp/tg rows);
-any other mode has serving runs (one per concurrency or request rate). `validate` spells out
-each run's keys.
+"config", "runs"}. Mode "kernel" has kernel runs (one per test, like llama-bench's pp/tg rows,
+plus tv rows: verify runs, which add "verify_len" and "tg_step_ratio") and may have "skipped"
+(the tests that did not fit the context window, with why) and "profile"; any other mode has
+serving runs (one per concurrency or request rate). `validate` spells out each run's keys.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .metrics import LATENCY_KEYS, STAT_KEYS, SUMMARY_KEYS
 
 SCHEMA = "mlcrun-bench/1"
 KERNEL_MODE = "kernel"
-KERNEL_KINDS = ("prefill", "decode")
+KERNEL_KINDS = ("prefill", "decode", "verify")
 SAMPLE_KEYS = (
     "index",
     "prompt_len",
@@ -64,6 +65,17 @@ _KERNEL_RUN_KEYS: dict[str, tuple[type, ...]] = {
     "depth": (int,),
     "tokens_per_s": (dict,),
     "samples": (list,),
+}
+_VERIFY_RUN_KEYS: dict[str, tuple[type, ...]] = {
+    "verify_len": (int,),  # tokens verified per sequence per call: K+1
+    "tg_step_ratio": (*_NUMBER, type(None)),  # a call's time in decode steps; null: no tg run
+}
+_SKIPPED_KEYS: dict[str, tuple[type, ...]] = {
+    "test": (str,),
+    "kind": (str,),
+    "batch": (int,),
+    "depth": (int,),
+    "reason": (str,),
 }
 
 
@@ -162,6 +174,8 @@ def _check_kernel_run(run: dict, where: str) -> None:
     if run["kind"] not in KERNEL_KINDS:
         raise MlcrunError(f"bench document: {where}.kind must be one of {KERNEL_KINDS}")
     _check_keys(run["tokens_per_s"], _number_keys(("mean", "std"), False), f"{where}.tokens_per_s")
+    if run["kind"] == "verify":
+        _check_keys(run, _VERIFY_RUN_KEYS, where)
     if not all(isinstance(s, _NUMBER) and not isinstance(s, bool) for s in run["samples"]):
         raise MlcrunError(f"bench document: {where}.samples must be numbers (seconds)")
 
@@ -176,6 +190,11 @@ def validate(doc: object) -> None:
     check_run = _check_kernel_run if doc["mode"] == KERNEL_MODE else _check_serve_run
     for i, run in enumerate(doc["runs"]):
         check_run(run, f"runs[{i}]")
+    if doc["mode"] == KERNEL_MODE and "skipped" in doc:
+        if not isinstance(doc["skipped"], list):
+            raise MlcrunError("bench document: skipped must be a list")
+        for i, test in enumerate(doc["skipped"]):
+            _check_keys(test, _SKIPPED_KEYS, f"skipped[{i}]")
 
 
 def _write_atomic(path: str | Path, mode: str, write: Callable[[IO[Any]], None]) -> None:
@@ -265,19 +284,27 @@ def _kernel_label(run: dict) -> str:
 
 
 def kernel_table(doc: dict) -> Table:
-    """A kernel document as a table, like llama-bench: one row per test."""
+    """A kernel document as a table, like llama-bench: one row per test. With verify (tv)
+    rows, a "tg steps" column gives each verify call's time in decode steps at the same batch
+    and depth."""
     table = Table(title=doc["model"].get("name"))
     for name in ("test", "batch", "depth"):
         table.add_column(name, justify="left" if name == "test" else "right")
     table.add_column("t/s", justify="right")
+    verify = any(run["kind"] == "verify" for run in doc["runs"])
+    if verify:
+        table.add_column("tg steps", justify="right")
     for run in doc["runs"]:
         speed = run["tokens_per_s"]
-        table.add_row(
+        cells = [
             run["test"],
             str(run["batch"]),
             str(run["depth"]),
             f"{speed['mean']:.2f} ± {speed['std']:.2f}",
-        )
+        ]
+        if verify:
+            cells.append(_fmt(run.get("tg_step_ratio"), ".2f"))
+        table.add_row(*cells)
     return table
 
 

@@ -67,6 +67,13 @@ def bench_command(
     depths: str = typer.Option("0,512", "-d", "--depths", help="Tokens already in the KV."),
     decode_tokens: int = typer.Option(32, "-n", "--decode-tokens", help="Steps per decode test."),
     repetitions: int = typer.Option(3, "-r", "--repetitions", help="Timed runs per test."),
+    verify: str = typer.Option(
+        None,
+        "-k",
+        "--verify",
+        help="Verify tests: K draft tokens per list entry (2,4,8), each timing one verify of "
+        "K+1 tokens at every batch size and depth, next to tg (default: none).",
+    ),
     profile: bool = typer.Option(
         False, "--profile", help="Also time every kernel of one decode step (kernel mode)."
     ),
@@ -91,7 +98,7 @@ def bench_command(
         raise MlcrunError("--threads must be positive")
     command = ["mlcrun", "bench", *sys.argv[2:]] if len(sys.argv) > 1 else ["mlcrun", "bench"]
     if mode == "kernel":
-        args = (prompt_lens, batches, depths, decode_tokens, repetitions, profile)
+        args = (prompt_lens, batches, depths, decode_tokens, repetitions, verify, profile)
         doc = _kernel(model, args, threads, device, quantization, command)
     else:
         workload = (num_prompts, input_len, output_len, dataset, seed)
@@ -148,24 +155,34 @@ def _kernel(model, args, threads, device, quantization, command) -> dict:
     from ..bench import kernel, report
     from ..runtime import Model
 
-    prompt_lens, batches, depths, decode_tokens, reps, profile = args
+    prompt_lens, batches, depths, decode_tokens, reps, verify, profile = args
+    drafts = parse_counts(verify, "--verify") if verify is not None else []
     tests = kernel.plan(
         parse_counts(prompt_lens, "--prompt-lens"),
         parse_counts(batches, "--batches"),
         parse_counts(depths, "--depths", allow_zero=True),
         decode_tokens,
+        drafts,
     )
     if decode_tokens <= 0 or reps <= 0:
         raise MlcrunError("--decode-tokens and --repetitions must be positive")
     folder = resolve_model(model, quantization=quantization, device=device)
     m = Model(folder, num_threads=threads)
-    kernel.check_fits(m, tests)
-    bar, total = _progress(len(tests) * reps, "kernel tests")
+    runnable, skipped = kernel.fit(m, tests)  # raises when nothing fits
+    for test in skipped:
+        err_console.print(f"skipped {test['test']}: {test['reason']}", highlight=False)
+    bar, total = _progress(len(runnable) * reps, "kernel tests")
     with bar:
         task = bar.add_task("", total=total)
-        runs = kernel.run_tests(m, tests, reps, on_rep=lambda: bar.advance(task))
-    config = {"threads": threads, "repetitions": reps, "decode_tokens": decode_tokens}
+        runs = kernel.run_tests(m, runnable, reps, on_rep=lambda: bar.advance(task))
+    config = {
+        "threads": threads,
+        "repetitions": reps,
+        "decode_tokens": decode_tokens,
+        "verify": drafts,
+    }
     doc = report.document("kernel", command, _model_info(folder, model), config, runs)
+    doc["skipped"] = skipped
     if profile:
         from ..bench.profile import profile_decode
 
