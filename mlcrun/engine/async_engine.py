@@ -94,7 +94,9 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> int:
         future: Future = Future()
-        self._send(("reset_prefix_cache", future))
+        with self._lock:  # a dead thread would never answer: refuse instead
+            self._check_alive()
+            self._send(("reset_prefix_cache", future))
         return await asyncio.wrap_future(future)
 
     def stats(self) -> EngineStats:
@@ -180,22 +182,21 @@ class AsyncEngine:
 
     def _die(self, err: BaseException, error: bool = True) -> None:
         """Refuse new requests, then fail every caller still waiting."""
-        with self._lock:
-            if error:
-                self.error = err
-            self._stopped = True
-            waiting = list(self._outputs)
         failure = (
             err
             if isinstance(err, MlcrunError)
             else EngineDeadError(f"the engine failed: {type(err).__name__}: {err}")
         )
+        with self._lock:  # from here on callers are refused (they check under this lock)
+            if error:
+                self.error = err
+            self._stopped = True
+            waiting = list(self._outputs)
+            commands = []
+            while not self._commands.empty():
+                commands.append(self._commands.get_nowait())
         for request_id in waiting:
             self._send_to(request_id, failure)
-        while True:  # commands that will never run: answer the ones that wait for it
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for command in commands:  # never to run: answer the ones that wait for it
             if command[0] == "reset_prefix_cache":
                 command[1].set_exception(failure)

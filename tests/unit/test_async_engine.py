@@ -78,8 +78,11 @@ def test_a_dead_engine_thread_fails_waiting_and_new_requests():
         try:
             assert async_engine.healthy
             stream = async_engine.generate(prompt_of(5, 1), SamplingParams(max_tokens=50), "a")
+            runner.closed = True  # the next decode waits at the gate
             await stream.__anext__()
-            engine.scheduler.schedule = DyingScheduler()
+            await asyncio.to_thread(runner.in_forward.wait, 60)
+            engine.scheduler.schedule = DyingScheduler()  # the step after this one dies
+            runner.gate.set()
             with pytest.raises(EngineDeadError, match="scheduler bug"):
                 async for _ in stream:
                     pass
