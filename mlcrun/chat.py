@@ -92,7 +92,9 @@ class Conversation:
             self.messages.pop()
             raise
         window = self.llm.model.artifact.context_window
-        params = replace(self.params, max_tokens=min(self.params.max_tokens, window - len(ids)))
+        max_tokens = min(self.params.max_tokens, window - len(ids))
+        min_tokens = min(self.params.min_tokens, max_tokens)  # the window caps both
+        params = replace(self.params, max_tokens=max_tokens, min_tokens=min_tokens)
         final: RequestOutput | None = None
         answer = []
         try:

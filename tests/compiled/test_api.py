@@ -72,3 +72,15 @@ def test_stop_and_errors(llm):
         llm.generate([[1] * 300])
     with pytest.raises(MlcrunError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_a_conversation_caps_min_tokens_with_max_tokens_at_the_window(llm):
+    """min_tokens beyond what the window leaves is capped with max_tokens, not an error."""
+    from mlcrun.chat import Conversation
+
+    params = SamplingParams(max_tokens=1000, min_tokens=900, temperature=0)
+    conv = Conversation(llm, params)
+    text = "".join(conv.ask("Once upon a time"))
+    assert conv.last.finish_reason == "length"
+    assert conv.last.prompt_tokens + conv.last.completion_tokens == llm.engine.context_window
+    assert text == conv.last.text
