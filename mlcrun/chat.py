@@ -28,8 +28,21 @@ class Turn:
     ttft: float | None
     decode_tokens_per_s: float | None
     prefill_tokens_per_s: float | None
+    draft_tokens: int = 0  # speculative decoding: tokens drafted and accepted
+    accepted_tokens: int = 0
+    mean_accepted_length: float | None = None  # tokens per speculative step
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     def as_json(self) -> str:
+        speculation = {
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
         return json.dumps(
             {
                 "text": self.text,
@@ -44,6 +57,7 @@ class Turn:
                     "decode_tokens_per_s": self.decode_tokens_per_s,
                     "prefill_tokens_per_s": self.prefill_tokens_per_s,
                 },
+                **({"speculation": speculation} if self.draft_tokens else {}),
             }
         )
 
@@ -117,6 +131,9 @@ class Conversation:
                     m.ttft if m else None,
                     m.decode_tokens_per_s if m else None,
                     m.prefill_tokens_per_s if m else None,
+                    m.draft_tokens if m else 0,
+                    m.accepted_tokens if m else 0,
+                    m.mean_accepted_length if m else None,
                 )
 
     def save(self, path: str) -> None:

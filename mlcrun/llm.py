@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from . import speculation
 from .engine.config import EngineConfig
 from .engine.engine import Engine
 from .engine.types import RequestOutput, SamplingParams
@@ -46,13 +47,26 @@ class LLM:
         if self.model.config.sliding_window:
             config = replace(config, prefix_cache=False)  # windowed sequences cannot be forked
         self.engine_config = config
+        self.draft = None
+        context_window, costs, costs_path = art.context_window, None, None
+        if config.speculating:
+            speculation.check_target(self.model, config)
+            self.draft = speculation.load_draft(self.model, self.tokenizer, config, num_threads)
+            if self.draft is not None:  # the draft's forwards must reach every position too
+                context_window = min(context_window, self.draft.artifact.context_window)
+            if not config.spec_draft_length:
+                costs_path, costs = speculation.cached_costs(self.model, self.draft, config)
         self.engine = Engine(
             self.model,
             config,
             eos_token_ids=self.eos_token_ids,
-            context_window=art.context_window,
+            context_window=context_window,
             decoder_factory=self._decoder if self.tokenizer is not None else None,
+            draft_runner=self.draft,
+            cost_model=costs,
         )
+        if costs_path is not None and costs is None:
+            speculation.save_costs(costs_path, self.engine.costs)
         self._ids = itertools.count()
 
     def _decoder(self, prompt: list[int]):

@@ -196,7 +196,13 @@ def _command(console: Console, conv: Conversation, line: str) -> bool:
                 f"prompt {t.prompt_tokens} tokens ({t.cached_tokens} cached), "
                 f"prefill {t.prefill_tokens_per_s or 0:.1f} tok/s, "
                 f"answer {t.completion_tokens} tokens at {t.decode_tokens_per_s or 0:.1f} tok/s, "
-                f"first token after {t.ttft or 0:.3f}s",
+                f"first token after {t.ttft or 0:.3f}s"
+                + (
+                    f", drafts {t.accepted_tokens}/{t.draft_tokens} accepted "
+                    f"({t.acceptance_rate:.0%}), {t.mean_accepted_length:.2f} tokens per step"
+                    if t.draft_tokens
+                    else ""
+                ),
                 highlight=False,
             )
     elif name == "/system":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..engine.types import RequestOutput, SamplingParams
 from ..llm import LLM
@@ -26,7 +27,7 @@ def run_offline(
 ) -> tuple[list[RequestRecord], float, dict]:
     """Run the workload; returns (records by index, wall seconds, engine counters)."""
     engine = llm.engine
-    before = engine.stats.preemptions
+    before = replace(engine.stats)
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     prompts = {r.index: _prompt_ids(llm, r) for r in requests}
     records: dict[int, RequestRecord] = {}
@@ -51,8 +52,25 @@ def run_offline(
                 if on_done:
                     on_done(record)
     duration = time.perf_counter() - start
-    counters = {"preemptions": engine.stats.preemptions - before}
-    return [records[i] for i in sorted(records)], duration, counters
+    return [records[i] for i in sorted(records)], duration, _counters(before, engine.stats)
+
+
+def _counters(before, after) -> dict:
+    """The engine's counters over the run; speculation's when it drafted."""
+    out = {"preemptions": after.preemptions - before.preemptions}
+    steps = after.spec_steps - before.spec_steps
+    if steps:
+        drafted = after.spec_drafted - before.spec_drafted
+        accepted = after.spec_accepted - before.spec_accepted
+        out.update(
+            draft_tokens=drafted,
+            accepted_tokens=accepted,
+            acceptance_rate=accepted / drafted if drafted else None,
+            mean_accepted_length=(accepted + steps) / steps,
+            draft_s=after.draft_seconds - before.draft_seconds,
+            verify_s=after.verify_seconds - before.verify_seconds,
+        )
+    return out
 
 
 def _prompt_ids(llm: LLM, req: BenchRequest) -> list[int]:
@@ -65,11 +83,13 @@ def _record(out: RequestOutput) -> RequestRecord:
     m = out.metrics
     index = int(out.request_id.removeprefix("bench-"))
     times = list(m.token_times) if m else []
+    # A client sees one chunk per step: the tokens one step accepted arrive together.
+    chunks = [t for i, t in enumerate(times) if i == 0 or t != times[i - 1]]
     return RequestRecord(
         index=index,
         prompt_len=len(out.prompt_token_ids),
         start=m.arrival if m else 0.0,
-        chunk_times=times,
+        chunk_times=chunks,
         output_len=len(out.token_ids),
         end=times[-1] if times else None,
         cached_tokens=m.cached_tokens if m else 0,

@@ -9,11 +9,18 @@ import typer
 
 from ..errors import MlcrunError
 from .common import (
+    DRAFT_MODEL,
+    DRAFT_QUANTIZATION,
     MODEL_ARGUMENT,
+    NGRAM_MAX,
+    SPEC_DRAFT_LENGTH,
+    SPEC_MODE,
+    SPEC_TREE_WIDTH,
     err_console,
     handle_errors,
     resolve_model,
     setup_logging,
+    speculation_options,
 )
 
 MODES = ("serve-sim", "kernel")
@@ -83,6 +90,13 @@ def bench_command(
     quantization: str = typer.Option(None, "--quantization", "-q", help="Preset when compiling."),
     json_path: Path = typer.Option(None, "--json", help="Write every sample and summary here."),
     plot_path: Path = typer.Option(None, "--plot", help="Latency CDF / throughput plot (PNG)."),
+    # serve-sim, in process
+    speculative_mode: str = SPEC_MODE,
+    spec_draft_length: int = SPEC_DRAFT_LENGTH,
+    spec_tree_width: int = SPEC_TREE_WIDTH,
+    draft_model: str = DRAFT_MODEL,
+    ngram_max: int = NGRAM_MAX,
+    draft_quantization: str = DRAFT_QUANTIZATION,
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Benchmark a model: prefill/decode speed (--mode kernel) or a serving workload with
@@ -105,7 +119,24 @@ def bench_command(
         levels = parse_counts(concurrency, "--concurrency")
         if request_rate is not None and not request_rate > 0:
             raise MlcrunError(f"--request-rate must be positive, got {request_rate}")
-        run = dict(levels=levels, rate=request_rate, prefix_cache=prefix_cache, threads=threads)
+        if url and speculative_mode != "none":
+            raise MlcrunError("--speculative-mode is the in-process engine's; drop it with --url")
+        spec = speculation_options(
+            speculative_mode,
+            spec_draft_length,
+            spec_tree_width,
+            draft_model,
+            ngram_max,
+            draft_quantization,
+            device,
+        )
+        run = dict(
+            levels=levels,
+            rate=request_rate,
+            prefix_cache=prefix_cache,
+            threads=threads,
+            spec=spec,
+        )
         where = dict(url=url, served_model=served_model, api_key=api_key)
         doc = _serve_sim(model, workload, run, where, device, quantization, command)
     report.validate(doc)
@@ -249,6 +280,7 @@ def _serve_sim(model, workload, run, where, device, quantization, command) -> di
         "threads": run["threads"],
         "prefix_cache": run["prefix_cache"],
         "url": where["url"],
+        "speculation": run["spec"],
     }
     return report.document("serve-sim", command, info, config, runs)
 
@@ -259,7 +291,10 @@ def _offline_runner(folder: Path, run: dict):
     from ..llm import LLM
 
     config = EngineConfig(
-        mode="server", max_num_sequence=max(run["levels"]), prefix_cache=run["prefix_cache"]
+        mode="server",
+        max_num_sequence=max(run["levels"]),
+        prefix_cache=run["prefix_cache"],
+        **run["spec"],
     )
     llm = LLM(folder, engine_config=config, num_threads=run["threads"])
 

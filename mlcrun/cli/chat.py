@@ -7,11 +7,18 @@ import sys
 import typer
 
 from .common import (
+    DRAFT_MODEL,
+    DRAFT_QUANTIZATION,
     MODEL_ARGUMENT,
+    NGRAM_MAX,
+    SPEC_DRAFT_LENGTH,
+    SPEC_MODE,
+    SPEC_TREE_WIDTH,
     err_console,
     handle_errors,
     resolve_model,
     setup_logging,
+    speculation_options,
 )
 
 
@@ -41,6 +48,12 @@ def chat_command(
         None, "--context-window", help="Max tokens per conversation when compiling MODEL."
     ),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per answer."),
+    speculative_mode: str = SPEC_MODE,
+    spec_draft_length: int = SPEC_DRAFT_LENGTH,
+    spec_tree_width: int = SPEC_TREE_WIDTH,
+    draft_model: str = DRAFT_MODEL,
+    ngram_max: int = NGRAM_MAX,
+    draft_quantization: str = DRAFT_QUANTIZATION,
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Chat with a model: an interactive REPL, or one answer per --prompt / stdin line."""
@@ -62,10 +75,19 @@ def chat_command(
         seed=seed,
         stop=tuple(stop or ()),
     )
+    spec = speculation_options(
+        speculative_mode,
+        spec_draft_length,
+        spec_tree_width,
+        draft_model,
+        ngram_max,
+        draft_quantization,
+        device,
+    )
     folder = resolve_model(
         model, quantization=quantization, device=device, context_window=context_window
     )
-    llm = LLM(folder, engine_config=EngineConfig(mode="interactive"))
+    llm = LLM(folder, engine_config=EngineConfig(mode="interactive", **spec))
     conv = Conversation(llm, params, system=system)
     if prompt is not None:
         _answer(conv, prompt, json_out)

@@ -119,3 +119,67 @@ def resolve_model(model: str | None, **compile_options: Any):
 
     with RichProgress() as progress:
         return resolve_artifact(model, progress=progress, **compile_options)
+
+
+# Speculative decoding, the same options on chat, serve and bench.
+SPEC_MODE = typer.Option(
+    "none",
+    "--speculative-mode",
+    help="Speculative decoding: none; ngram (prompt lookup, no extra model); draft (a smaller "
+    "model, --draft-model); self (a low-bit copy of MODEL's own weights, for F32/F16/Q8 models).",
+)
+SPEC_DRAFT_LENGTH = typer.Option(
+    0, "--spec-draft-length", help="Tokens drafted per step (0: adaptive, measured per machine)."
+)
+SPEC_TREE_WIDTH = typer.Option(
+    1, "--spec-tree-width", help="W > 1: also verify the top-W alternatives of the first draft."
+)
+DRAFT_MODEL = typer.Option(
+    None,
+    "--draft-model",
+    help="Draft model for --speculative-mode draft (artifact, HF folder, hub id or GGUF; it "
+    "must share MODEL's tokenizer); compiled and cached like MODEL.",
+)
+NGRAM_MAX = typer.Option(4, "--ngram-max", help="Prompt lookup matches the last N..1 tokens.")
+DRAFT_QUANTIZATION = typer.Option(
+    "q4f16_1+q8f32",
+    "--draft-quantization",
+    help="Preset of the self-draft (--speculative-mode self).",
+)
+
+
+def speculation_options(
+    mode: str,
+    draft_length: int,
+    tree_width: int,
+    draft_model: str | None,
+    ngram_max: int,
+    draft_quantization: str,
+    device: str,
+) -> dict[str, Any]:
+    """EngineConfig fields for the speculative-decoding options; the draft model is resolved
+    (and compiled if needed) like MODEL."""
+    from ..engine.config import EngineConfig
+
+    if mode == "draft" and not draft_model:
+        raise MlcrunError("--speculative-mode draft needs --draft-model")
+    if draft_model and mode != "draft":
+        raise MlcrunError("--draft-model is only used with --speculative-mode draft")
+    fields = dict(
+        speculative_mode=mode,
+        spec_draft_length=draft_length,
+        spec_tree_width=tree_width,
+        draft_model=draft_model,
+        ngram_max=ngram_max,
+        draft_quantization=draft_quantization,
+    )
+    try:
+        EngineConfig(**fields)  # bad values fail now, before anything is compiled
+    except MlcrunError as err:  # name the flags, not the fields
+        message = str(err)
+        for name in ("speculative_mode", "spec_draft_length", "spec_tree_width", "ngram_max"):
+            message = message.replace(name, "--" + name.replace("_", "-"))
+        raise MlcrunError(message) from None
+    if draft_model:
+        fields["draft_model"] = str(resolve_model(draft_model, device=device))
+    return fields

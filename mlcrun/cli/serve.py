@@ -9,11 +9,18 @@ import typer
 
 from ..errors import MlcrunError
 from .common import (
+    DRAFT_MODEL,
+    DRAFT_QUANTIZATION,
     MODEL_ARGUMENT,
+    NGRAM_MAX,
+    SPEC_DRAFT_LENGTH,
+    SPEC_MODE,
+    SPEC_TREE_WIDTH,
     err_console,
     handle_errors,
     resolve_model,
     setup_logging,
+    speculation_options,
 )
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)i?[bB]?\s*$")
@@ -62,6 +69,12 @@ def serve_command(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     quantization: str = typer.Option(None, "--quantization", "-q", help="Preset when compiling."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for the model."),
+    speculative_mode: str = SPEC_MODE,
+    spec_draft_length: int = SPEC_DRAFT_LENGTH,
+    spec_tree_width: int = SPEC_TREE_WIDTH,
+    draft_model: str = DRAFT_MODEL,
+    ngram_max: int = NGRAM_MAX,
+    draft_quantization: str = DRAFT_QUANTIZATION,
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Serve a model over the OpenAI API (completions, chat, streaming, structured output)."""
@@ -72,11 +85,21 @@ def serve_command(
 
     if max_queue < 0 or max_request_bytes <= 0 or shutdown_timeout < 0:
         raise MlcrunError("--max-queue, --max-request-bytes and --shutdown-timeout: must be >= 0")
+    spec = speculation_options(
+        speculative_mode,
+        spec_draft_length,
+        spec_tree_width,
+        draft_model,
+        ngram_max,
+        draft_quantization,
+        device,
+    )
     config = EngineConfig(
         mode=mode,
         max_num_sequence=max_num_seqs,
         kv_memory=parse_kv_memory(kv_memory),
         prefix_cache=prefix_cache,
+        **spec,
     )
     folder = resolve_model(model, quantization=quantization, device=device)
     from ..llm import LLM

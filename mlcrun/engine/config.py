@@ -8,6 +8,8 @@ from dataclasses import dataclass, replace
 from ..errors import MlcrunError
 
 PRESETS = ("local", "interactive", "server")
+SPECULATIVE_MODES = ("none", "ngram", "draft", "self")
+MAX_TREE_NODES = 256  # TVM's paged KV cache verifies at most this many nodes per sequence
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,17 @@ class EngineConfig:
     prefix_cache_max_retained: int = 32  # finished sequences kept in the KV cache for reuse
     kv_memory: float | None = None  # bytes (> 1) or a fraction of RAM (<= 1)
     mode: str = "local"
+    # Speculative decoding: "ngram" (prompt lookup), "draft" (a smaller model, `draft_model`),
+    # "self" (a low-bit copy of the model's own weights, `draft_quantization`).
+    speculative_mode: str = "none"
+    spec_draft_length: int = 0  # K drafted tokens per step; 0 = adaptive (up to the max below)
+    spec_max_draft_length: int = 8  # the adaptive K's upper bound
+    spec_tree_width: int = 1  # W > 1: the top-W alternatives at the first drafted position
+    ngram_max: int = 4  # prompt lookup matches the last N..1 tokens
+    draft_model: str | None = None  # an artifact, HF folder or GGUF (mode "draft")
+    # The self-draft's preset (mode "self"): 4-bit layers, an 8-bit embedding and lm_head (a
+    # 4-bit table costs SmolLM2 a tenth of its top-1 agreement with the target).
+    draft_quantization: str = "q4f16_1+q8f32"
 
     def __post_init__(self) -> None:
         if self.mode not in PRESETS:
@@ -39,6 +52,42 @@ class EngineConfig:
             raise MlcrunError("prefix_cache_max_retained must be >= 0")
         if self.kv_memory is not None and self.kv_memory <= 0:
             raise MlcrunError(f"kv_memory must be positive, got {self.kv_memory!r}")
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        if self.speculative_mode not in SPECULATIVE_MODES:
+            raise MlcrunError(
+                f"speculative_mode must be one of {', '.join(SPECULATIVE_MODES)}, "
+                f"got {self.speculative_mode!r}"
+            )
+        for name, lo in (
+            ("spec_draft_length", 0),
+            ("spec_max_draft_length", 1),
+            ("spec_tree_width", 1),
+            ("ngram_max", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise MlcrunError(f"{name} must be an integer >= {lo}, got {value!r}")
+        nodes = 1 + self.draft_length_bound + self.spec_tree_width - 1
+        if self.speculating and nodes > MAX_TREE_NODES:
+            raise MlcrunError(
+                f"spec_draft_length/spec_tree_width: a tree of {nodes} nodes is over the "
+                f"{MAX_TREE_NODES} the KV cache verifies per sequence"
+            )
+        if self.speculative_mode == "draft" and not self.draft_model:
+            raise MlcrunError("speculative_mode 'draft' needs a draft_model")
+        if self.draft_model and self.speculative_mode != "draft":
+            raise MlcrunError("draft_model is only used with speculative_mode 'draft'")
+
+    @property
+    def speculating(self) -> bool:
+        return self.speculative_mode != "none"
+
+    @property
+    def draft_length_bound(self) -> int:
+        """The most tokens a request drafts in one step."""
+        return self.spec_draft_length or self.spec_max_draft_length
 
     def resolve(
         self,

@@ -26,6 +26,11 @@ from .request import Request
 from .runner import ModelRunner
 from .sampler import check_vocab, sample_batch
 from .scheduler import Scheduler
+from .spec.adaptive import CostModel, best_draft_length
+from .spec.cost import measure_costs
+from .spec.decoder import SpeculativeDecoder
+from .spec.draft_model import ModelDrafter
+from .spec.ngram import NgramDrafter
 from .types import RequestOutput, SamplingParams, TokenConstraint
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,13 @@ class EngineStats:
     decode_tokens: int = 0
     failed: int = 0  # requests that ended with an error
     step_sizes: dict[int, int] = field(default_factory=dict)  # sequences in a step -> steps
+    # Speculative decoding: (request, step) pairs that drafted, tokens drafted and accepted,
+    # seconds spent drafting and verifying.
+    spec_steps: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
     def snapshot(self) -> EngineStats:
         return replace(self, step_sizes=dict(self.step_sizes))
@@ -57,7 +69,12 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         context_window: int,
         decoder_factory: Callable[[list[int]], object] | None = None,
+        draft_runner: ModelRunner | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
+        """`draft_runner`: the draft model of speculative modes "draft" and "self".
+        `cost_model`: measured step costs for the adaptive draft length (measured here, once,
+        when it is needed and not given)."""
         self.runner = runner
         self.config = config  # resolved: every field set
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -72,23 +89,70 @@ class Engine:
             )
         self.context_window = min(context_window, capacity)
         self.decoder_factory = decoder_factory
-        runner.create_kv_cache(
-            page_size=config.kv_cache_page_size,
-            max_num_sequence=config.max_num_sequence,
-            max_total_sequence_length=capacity,
-            prefill_chunk_size=config.prefill_chunk_size,
-        )
+        nodes = 1 + config.draft_length_bound + config.spec_tree_width - 1
+        if config.speculating and nodes > config.prefill_chunk_size:
+            raise MlcrunError(
+                f"spec_draft_length/spec_tree_width: a tree of {nodes} nodes is over the "
+                f"{config.prefill_chunk_size} tokens one forward takes (the prefill chunk)"
+            )
+        caches = [runner] if draft_runner is None else [runner, draft_runner]
+        for cache in caches:  # a draft cache mirrors the target's, page for page
+            cache.create_kv_cache(
+                page_size=config.kv_cache_page_size,
+                max_num_sequence=config.max_num_sequence,
+                max_total_sequence_length=capacity,
+                prefill_chunk_size=config.prefill_chunk_size,
+            )
         self.kv = KVManager(
-            [runner],
+            caches,
             config.kv_cache_page_size,
             prefix_cache=config.prefix_cache,
             max_retained=config.prefix_cache_max_retained,
         )
-        self.scheduler = Scheduler(config, self.kv)
+        self.drafter = self._drafter(draft_runner)
+        self.spec = (
+            SpeculativeDecoder(self, self.drafter, config.spec_tree_width) if self.drafter else None
+        )
+        self.scheduler = Scheduler(
+            config,
+            self.kv,
+            context_window=self.context_window,
+            draft_lengths=self._draft_lengths if self.spec else None,
+            lockstep_draft=draft_runner is not None,
+        )
         self.requests: dict[str, list[Request]] = {}  # unfinished requests by id
         self._streams: dict[Request, OutputStream] = {}
+        self._step_time = 0.0  # when this step's tokens were produced
         self.stats = EngineStats(total_pages=self.kv.total_pages)
+        self.costs = cost_model
+        if self.spec and not config.spec_draft_length and cost_model is None:
+            self.costs = self.measure_costs()
         self._update_stats()
+
+    def _drafter(self, draft_runner: ModelRunner | None):
+        mode = self.config.speculative_mode
+        if mode == "ngram":
+            return NgramDrafter(self.config.ngram_max)
+        if mode in ("draft", "self"):
+            if draft_runner is None:
+                raise MlcrunError(f"speculative_mode {mode!r} needs a draft model")
+            return ModelDrafter(
+                draft_runner, self.kv, self.config.prefill_chunk_size, self.runner.vocab_size
+            )
+        return None
+
+    def measure_costs(self) -> CostModel:
+        """What verifies and draft steps cost at each batch size, on this machine."""
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < self.config.max_num_sequence]
+        draft = self.drafter.runner if isinstance(self.drafter, ModelDrafter) else None
+        return measure_costs(
+            self.runner,
+            self.kv,
+            [*sizes, self.config.max_num_sequence],
+            draft=draft,
+            max_tokens=1 + self.config.draft_length_bound + self.config.spec_tree_width - 1,
+            chunk=self.config.prefill_chunk_size,
+        )
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
@@ -157,7 +221,7 @@ class Engine:
         """Schedule, run, post-process; returns an output for every request that progressed."""
         plan = self.scheduler.schedule()
         ready: list[tuple[Request, np.ndarray]] = []  # requests with logits to sample
-        if plan.decode:
+        if plan.decode and not (self.spec and self.spec.step(plan.decode, plan.drafts)):
             ready += self._run_decode(plan.decode)
         if plan.prefill:
             ready += self._run_prefill(plan.prefill)
@@ -194,8 +258,12 @@ class Engine:
             return []
         elapsed = time.perf_counter() - start
         self.stats.prefill_tokens += len(tokens)
+        if isinstance(self.drafter, ModelDrafter):  # the draft cache takes the same chunks
+            self._forward(batch, lambda: self.drafter.prefill(plan))  # failing fails them
         ready = []
         for row, (req, n) in enumerate(plan):
+            if req.finished:
+                continue
             req.num_computed += n
             self._streams[req].metrics.prefill_seconds += elapsed * n / len(tokens)
             if req.num_computed <= len(req.prompt):
@@ -222,6 +290,7 @@ class Engine:
     def _sample(self, ready: list[tuple[Request, np.ndarray]]) -> None:
         """Sample the next token of every ready request, in one batch; a request whose own
         sampling fails (its grammar, its text) fails alone."""
+        self._step_time = time.perf_counter()
         batch, rows, masks = [], [], []
         for req, row in ready:
             try:
@@ -250,7 +319,7 @@ class Engine:
     def _accept(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
         """Append a sampled token and finish the request if it ends here."""
         req.append(token)
-        stopped = self._streams[req].add([token], [logprobs])
+        stopped = self._streams[req].add([token], [logprobs], now=self._step_time)
         complete = req.constraint is not None and req.constraint.accept(token)
         reason = "stop" if stopped else self._finish_reason(req, token)
         if reason or complete:
@@ -267,6 +336,20 @@ class Engine:
             keep[stops] = False
             mask = keep if keep.any() else mask  # the grammar wins if only a stop may follow
         return mask
+
+    def _draft_lengths(self, batch: list[Request]) -> dict[Request, int]:
+        """How many tokens each decoding request may draft this step (before the scheduler
+        clamps them to pages, max_tokens and the context window). Constrained requests decode
+        plainly: their grammar would have to be rolled back on rejection."""
+        free = [r for r in batch if r.constraint is None]
+        k = self.config.spec_draft_length
+        if not k:
+            rates = [r.acceptance.rate for r in free]
+            k = best_draft_length(rates, self.costs, self.config.spec_max_draft_length)
+            if not k:
+                for req in free:
+                    req.acceptance.idle()
+        return {r: k for r in free} if k else {}
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params

@@ -28,9 +28,15 @@ class OutputStream:
         self._emitted_text = 0
         self._emitted_tokens = 0
 
-    def add(self, tokens: Sequence[int], logprobs: Sequence[dict[int, float] | None]) -> bool:
-        """Record the tokens a step produced; True when a stop string ended the text."""
-        now = time.perf_counter()
+    def add(
+        self,
+        tokens: Sequence[int],
+        logprobs: Sequence[dict[int, float] | None],
+        now: float | None = None,
+    ) -> bool:
+        """Record tokens a step produced (at `now`: the step's time, shared by the tokens of
+        one step); True when a stop string ended the text."""
+        now = time.perf_counter() if now is None else now
         if self.metrics.first_token is None:
             self.metrics.first_token = now
         self.metrics.token_times.extend([now] * len(tokens))

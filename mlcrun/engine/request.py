@@ -7,6 +7,7 @@ request runs in scheduler.py.
 from __future__ import annotations
 
 from .sampler import SamplerState
+from .spec.adaptive import Acceptance
 from .types import SamplingParams, TokenConstraint
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -25,6 +26,8 @@ class Request:
         self.status = WAITING
         self.seq_id: int | None = None  # its KV sequence while running
         self.num_computed = 0  # tokens whose K/V is in the cache
+        self.num_draft_computed = 0  # ... in a draft model's cache (speculative decoding)
+        self.acceptance = Acceptance()  # how often its drafts are accepted (adaptive K)
         self.order = 0  # admission order; the newest running request is preempted first
         self.fork_from: Request | None = None  # n > 1: siblings fork this request's prompt
         self.constraint: TokenConstraint | None = None  # masks the sampler when set

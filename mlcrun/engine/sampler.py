@@ -83,6 +83,8 @@ class SampleResult:
     top_logprobs: dict[int, float] | None
     # Why this row could not be sampled (then `token` is -1); the other rows are unaffected.
     error: str | None = None
+    # With drafts: which drafted candidate `token` is (None: not a candidate, a fresh draw).
+    accepted: int | None = None
 
 
 def sample_batch(
@@ -90,24 +92,46 @@ def sample_batch(
     params: Sequence[SamplingParams],
     states: Sequence[SamplerState],
     allowed: Sequence[np.ndarray | None] | None = None,
+    drafts: Sequence[tuple[Sequence[int], np.ndarray | None] | None] | None = None,
 ) -> list[SampleResult]:
     """One token per row of logits [B, V]; allowed[i] is an optional bool mask [V] for row i.
     A row that cannot be sampled gets a SampleResult with `error`; the others are drawn as if
-    it were not there."""
+    it were not there.
+
+    drafts[i] = (candidates, q): tokens a drafter proposed for row i's position, drawn from q
+    without replacement (None: chosen deterministically). The token is then chosen by the
+    lossless acceptance rule (spec/accept.py), so it still has exactly the distribution plain
+    sampling draws from, and SampleResult.accepted says which candidate it is.
+    """
+    from .spec.accept import accept_greedy, accept_sampled  # (spec imports this module)
+
     x, errors = _process(logits, params, states, allowed)  # [B, V] float32
     greedy, sampled = _split(params)
     tokens = np.full(x.shape[0], -1, dtype=np.int64)
+    accepted: dict[int, int | None] = {}
     if greedy.size:
         tokens[greedy] = _rows(x, greedy).argmax(axis=1)
+        for i in greedy:
+            if drafts is not None and drafts[i] is not None and drafts[i][0]:
+                tokens[i], accepted[i] = accept_greedy(int(tokens[i]), drafts[i][0])
     if sampled.size:
         weights = _filtered_weights(_rows(x, sampled), [params[i] for i in sampled])
         for row, i in enumerate(sampled):
-            if i not in errors:
-                try:
+            if i in errors:
+                continue
+            draft = drafts[i] if drafts is not None else None
+            try:
+                if draft is not None and draft[0]:
+                    p = weights[row] / weights[row].sum(dtype=np.float64)
+                    tokens[i], accepted[i] = accept_sampled(p, draft[0], draft[1], states[i].rng)
+                else:
                     tokens[i] = draw(weights[row], states[i].rng)
-                except MlcrunError as err:
-                    errors[i] = str(err)
-    return _results(np.asarray(logits), params, tokens, errors)
+            except MlcrunError as err:
+                errors[i] = str(err)
+    results = _results(np.asarray(logits), params, tokens, errors)
+    for i, j in accepted.items():
+        results[i].accepted = j
+    return results
 
 
 def probabilities(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Schedule:
     decode: list[Request] = field(default_factory=list)  # one token each
+    drafts: dict[Request, int] = field(default_factory=dict)  # decodes that draft: how many
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens)
     # Finished here with "length": alone in the cache and still too large for it.
     finished: list[Request] = field(default_factory=list)
@@ -35,9 +37,22 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVManager) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVManager,
+        *,
+        context_window: int,
+        draft_lengths: Callable[[list[Request]], dict[Request, int]] | None = None,
+        lockstep_draft: bool = False,
+    ) -> None:
+        """`draft_lengths`: how many tokens the decoding requests would like to draft (then
+        clamped here); `lockstep_draft`: a draft model's cache mirrors the target's."""
         self.config = config
         self.kv = kv
+        self.context_window = context_window
+        self.draft_lengths = draft_lengths
+        self.lockstep_draft = lockstep_draft
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -58,14 +73,19 @@ class Scheduler:
             self.waiting.remove(req)
         if req.seq_id is not None:
             seq_id, req.seq_id = req.seq_id, None
-            self.kv.close(seq_id, req.tokens[: req.num_computed] if keep else None)
+            # Retained, a sequence offers the tokens that every cache holds (a draft lags).
+            held = min(req.num_computed, req.num_draft_computed) if self.lockstep_draft else None
+            self.kv.close(seq_id, req.tokens[: held or req.num_computed] if keep else None)
 
     # ------------------------------------------------------------------ the decision
     def schedule(self) -> Schedule:
         plan = Schedule()
         decode = [r for r in self.running if r.pending == 1 and r.num_computed > 0]
         plan.decode = self._make_room(decode, plan)
-        plan.prefill = self._schedule_prefill(reserved=self._pages_for(plan.decode))
+        reserved = self._pages_for(plan.decode)
+        if self.draft_lengths is not None and plan.decode:
+            plan.drafts, reserved = self._reserve_drafts(plan.decode, reserved)
+        plan.prefill = self._schedule_prefill(reserved)
         if plan.empty and self.has_unfinished():
             self._unstick(plan)
         return plan
@@ -86,6 +106,35 @@ class Scheduler:
             decode = [r for r in decode if r is not victim]
         return decode
 
+    def _reserve_drafts(
+        self, decode: list[Request], reserved: int
+    ) -> tuple[dict[Request, int], int]:
+        """Draft lengths that fit: a verify writes the pending token and every tree node, so
+        each drafting request needs pages for 1 + K + (W - 1) tokens. K is clamped to
+        max_tokens and the context window and shrunk (to 0) when pages are short; nothing is
+        preempted for drafts. Returns the lengths and the pages now reserved."""
+        wanted = self.draft_lengths(decode)
+        extra = self.config.spec_tree_width - 1  # alternatives at the first position
+        nodes = len(decode)  # every request's root; all nodes of a verify share the chunk
+        out = {}
+        for req in sorted(decode, key=lambda r: r.order):
+            k = min(
+                wanted.get(req, 0),
+                req.params.max_tokens - req.num_output - 1,  # the target adds one more
+                self.context_window - len(req.tokens) - extra,
+                self.config.prefill_chunk_size - nodes - extra,
+            )
+            while k > 0:
+                grow = self.kv.new_pages(req.num_computed, 1 + k + extra)
+                more = grow - self.kv.new_pages(req.num_computed, 1)
+                if more <= self.kv.free_pages() - reserved:
+                    out[req] = k
+                    nodes += k + extra
+                    reserved += more
+                    break
+                k -= 1
+        return out, reserved
+
     def _unstick(self, plan: Schedule) -> None:
         """Nothing could run: free pages so that the next step can; never hang."""
         if len(self.running) > 1:
@@ -102,7 +151,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         log.info("preempting %s (KV cache full)", req.request_id)
         self.release(req, keep=False)
-        req.status, req.num_computed = WAITING, 0
+        req.status, req.num_computed, req.num_draft_computed = WAITING, 0, 0
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)
@@ -157,6 +206,7 @@ class Scheduler:
         if first is not None and first.seq_id is not None:
             sibling = (first.seq_id, min(len(first.prompt) - 1, limit))
         req.seq_id, req.num_computed = self.kv.open(req.tokens[:limit], sibling)
+        req.num_draft_computed = req.num_computed  # every cache forked the same prefix
         if req.num_computed and not req.preemptions:
             req.cached_tokens = min(req.num_computed, len(req.prompt))
         req.order = next(self._order)

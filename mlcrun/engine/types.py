@@ -181,6 +181,10 @@ class RequestMetrics:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     prefill_seconds: float = 0.0
     preemptions: int = 0
+    # Speculative decoding: steps in which this request drafted, tokens drafted, accepted.
+    spec_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -188,8 +192,30 @@ class RequestMetrics:
 
     @property
     def inter_token_latencies(self) -> list[float]:
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        """One per token after the first. Tokens that one step produced together (accepted
+        drafts) share that step's wait evenly, so these sum to the decode time and average
+        to the time per output token."""
+        t, out = self.token_times, []
+        i = 1
+        while i < len(t):
+            j = i
+            while j + 1 < len(t) and t[j + 1] == t[i]:
+                j += 1
+            out += [(t[i] - t[i - 1]) / (j - i + 1)] * (j - i + 1)
+            i = j + 1
+        return out
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Drafted tokens the target kept."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per speculative step: accepted drafts plus the target's own token."""
+        return (
+            (self.accepted_tokens + self.spec_steps) / self.spec_steps if self.spec_steps else None
+        )
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -210,6 +236,10 @@ class RequestMetrics:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "preemptions": self.preemptions,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
         }
 
 

@@ -33,7 +33,7 @@ PREFIX = "mlcrun"
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_PLAIN_0_0_4
 
 METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"))
-FINISH_REASONS = frozenset(("stop", "length", "abort"))
+FINISH_REASONS = frozenset(("stop", "length", "abort", "error"))
 
 # `_created` series (one timestamp per counter and label set) would double the output for
 # nothing a dashboard uses; the switch is process-wide, and mlcrun has no other registry.
@@ -152,6 +152,15 @@ def _engine(stats: EngineStats) -> Iterator[Metric]:
     yield _counter("preemptions", "Requests preempted for KV space.", stats.preemptions)
     yield _counter("engine_prefill_tokens", "Tokens prefilled.", stats.prefill_tokens)
     yield _counter("engine_decode_tokens", "Tokens decoded.", stats.decode_tokens)
+    yield _counter(
+        "spec_draft_steps", "Request steps that drafted (speculative decoding).", stats.spec_steps
+    )
+    yield _counter("spec_draft_tokens", "Tokens drafted.", stats.spec_drafted)
+    yield _counter(
+        "spec_accepted_tokens", "Drafted tokens the model accepted.", stats.spec_accepted
+    )
+    yield _counter("spec_draft_seconds", "Seconds spent drafting.", stats.draft_seconds)
+    yield _counter("spec_verify_seconds", "Seconds spent verifying drafts.", stats.verify_seconds)
     yield _step_histogram(stats.step_sizes)
 
 

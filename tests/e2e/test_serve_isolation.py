@@ -87,9 +87,7 @@ class InProcess:
 
     def __init__(self, llm: LLM) -> None:
         self.service = Service(llm, ServeOptions(model_name=MODEL))
-        config = uvicorn.Config(
-            create_app(self.service), host="127.0.0.1", port=0, log_config=None
-        )
+        config = uvicorn.Config(create_app(self.service), host="127.0.0.1", port=0, log_config=None)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -1,0 +1,125 @@
+"""How many tokens to draft this step: the K that maximises expected tokens per second.
+
+A step that verifies K drafted tokens per request yields, for a request whose drafts are
+accepted with per-token probability a, (1 - a^(K+1)) / (1 - a) tokens on average; it costs a
+verify of K + 1 tokens per sequence at this batch size plus K draft steps. Both costs are
+measured on this machine (CostModel, see cost.py); a comes from each request's running
+acceptance. K = 0 is plain decoding, so speculation backs off by itself where it does not pay
+(e.g. at large batch sizes, where a decode step is already compute-bound, or on text the
+drafter cannot predict). A request that has not drafted for a while drifts back to the prior
+acceptance, so it is tried again.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PRIOR_ACCEPTANCE = 0.6
+PRIOR_WEIGHT = 4.0  # pseudo-trials behind the prior
+DECAY = 0.97  # per step: older outcomes count less
+
+
+@dataclass
+class CostModel:
+    """Seconds per step, measured: `verify[b][n]` is one verify of n tokens per sequence at
+    batch b (n = 1 is a plain decode step); `draft[b]` one draft-model decode step at batch b
+    (empty for drafters without a model). Other points are interpolated."""
+
+    verify: dict[int, dict[int, float]] = field(default_factory=dict)
+    draft: dict[int, float] = field(default_factory=dict)
+
+    def verify_cost(self, batch: int, tokens: int) -> float:
+        row = _nearest(self.verify, batch)
+        return _interpolate(row, tokens)
+
+    def draft_cost(self, batch: int) -> float:
+        return _interpolate(self.draft, batch) if self.draft else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "verify": {
+                str(b): {str(n): t for n, t in row.items()} for b, row in self.verify.items()
+            },
+            "draft": {str(b): t for b, t in self.draft.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        verify = {
+            int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["verify"].items()
+        }
+        return cls(verify, {int(b): float(t) for b, t in data.get("draft", {}).items()})
+
+
+def _nearest(table: dict[int, dict[int, float]], key: int) -> dict[int, float]:
+    """Rows are interpolated linearly in the batch size."""
+    keys = sorted(table)
+    if key <= keys[0]:
+        return table[keys[0]]
+    if key >= keys[-1]:
+        return {n: t * key / keys[-1] for n, t in table[keys[-1]].items()}  # beyond: linear
+    i = bisect.bisect_left(keys, key)
+    lo, hi = keys[i - 1], keys[i]
+    w = (key - lo) / (hi - lo)
+    return {n: (1 - w) * table[lo][n] + w * table[hi][n] for n in table[lo] if n in table[hi]}
+
+
+def _interpolate(row: dict[int, float], x: int) -> float:
+    xs = sorted(row)
+    if x <= xs[0]:
+        return row[xs[0]]
+    if x >= xs[-1]:  # beyond the measured sizes: extend the last slope
+        if len(xs) == 1:
+            return row[xs[0]] * x / xs[0]
+        a, b = xs[-2], xs[-1]
+        return row[b] + (row[b] - row[a]) / (b - a) * (x - b)
+    i = bisect.bisect_left(xs, x)
+    a, b = xs[i - 1], xs[i]
+    return row[a] + (row[b] - row[a]) * (x - a) / (b - a)
+
+
+class Acceptance:
+    """A request's running per-token acceptance: decayed counts behind a prior."""
+
+    def __init__(self) -> None:
+        self.accepted = 0.0
+        self.trials = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """After a step: `accepted` of `drafted` chain tokens were kept (the first rejected
+        one ended the chain, so it counts as a trial too)."""
+        self.accepted = self.accepted * DECAY + accepted
+        self.trials = self.trials * DECAY + accepted + (1 if accepted < drafted else 0)
+
+    def idle(self) -> None:
+        self.accepted *= DECAY
+        self.trials *= DECAY
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a step yields with k drafts, each kept with probability `rate` while all
+    before it were: 1 + rate + ... + rate^k."""
+    if rate >= 1.0:
+        return k + 1.0
+    return (1 - rate ** (k + 1)) / (1 - rate)
+
+
+def best_draft_length(rates: Sequence[float], costs: CostModel, max_k: int) -> int:
+    """The K for this step's batch (requests with these acceptance rates) that maximises
+    expected tokens per second; 0 when plain decoding is as good."""
+    batch = len(rates)
+    if not batch:
+        return 0
+    best_k, best = 0, batch / costs.verify_cost(batch, 1)
+    for k in range(1, max_k + 1):
+        seconds = costs.verify_cost(batch, k + 1) + k * costs.draft_cost(batch)
+        speed = sum(expected_tokens(r, k) for r in rates) / seconds
+        if speed > best * 1.02:  # a clear gain, not noise in the cost table
+            best_k, best = k, speed
+    return best_k

@@ -1,0 +1,80 @@
+"""Measuring what a speculative step costs on this machine, for the adaptive draft length.
+
+Scratch sequences are prefilled to a moderate depth, then at each batch size the target runs
+a plain decode step and chain verifies of n tokens per sequence, and the draft model (if any)
+a decode step; each point is the median of a few timed calls after a warm-up. The caches are
+left as they were. Done once per model and machine (the caller caches the result).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+from ..kv_manager import KVManager
+from ..runner import ModelRunner
+from .adaptive import CostModel
+
+VERIFY_SIZES = (1, 2, 3, 5, 9)
+DEPTH = 64
+REPEATS = 3
+
+
+def measure_costs(
+    runner: ModelRunner,
+    kv: KVManager,
+    batch_sizes: Sequence[int],
+    *,
+    draft: ModelRunner | None = None,
+    max_tokens: int = 9,
+    chunk: int = 512,
+) -> CostModel:
+    sizes = sorted({n for n in VERIFY_SIZES if n <= max_tokens} | {1, max_tokens})
+    batch_sizes = sorted(set(batch_sizes))
+    prompt = [(7 * i + 3) % 97 + 1 for i in range(DEPTH)]
+    seqs = []
+    try:
+        for _ in range(batch_sizes[-1]):
+            seq_id, _ = kv.open([])
+            seqs.append(seq_id)
+            for cache in (runner, draft) if draft is not None else (runner,):
+                cache.batch_prefill(cache.token_embed(prompt), [seq_id], [DEPTH])
+        costs = CostModel()
+        for b in batch_sizes:
+            ids = seqs[:b]
+            costs.verify[b] = {n: _time_verify(runner, ids, n) for n in sizes if b * n <= chunk}
+            if draft is not None:
+                costs.draft[b] = _time_decode(draft, ids)
+        return costs
+    finally:
+        for seq_id in seqs:
+            kv.close(seq_id)
+
+
+def _time_verify(runner: ModelRunner, ids: list[int], n: int) -> float:
+    if n == 1:
+        return _time_decode(runner, ids)
+    parents = [-1, *range(n - 1)] * len(ids)
+    times = []
+    for _ in range(REPEATS + 1):
+        emb = runner.token_embed([5] * (n * len(ids)))
+        start = time.perf_counter()
+        runner.batch_verify(emb, ids, [n] * len(ids), parents)
+        runner.commit_accepted_token_tree_nodes(ids, [0] * len(ids))
+        times.append(time.perf_counter() - start)
+        for seq_id in ids:  # back to the same depth
+            runner.popn(seq_id, 1)
+    return statistics.median(times[1:])
+
+
+def _time_decode(runner: ModelRunner, ids: list[int]) -> float:
+    times = []
+    for _ in range(REPEATS + 1):
+        emb = runner.token_embed([5] * len(ids))
+        start = time.perf_counter()
+        runner.batch_decode(emb, ids)
+        times.append(time.perf_counter() - start)
+        for seq_id in ids:
+            runner.popn(seq_id, 1)
+    return statistics.median(times[1:])

@@ -1,0 +1,154 @@
+"""One speculative decode step over every running request that has a token to feed.
+
+Draft (each request gets a tree: its pending token as the root, the drafted tokens below it),
+verify every tree in ONE target forward (a request that drafts nothing is a one-node tree, so
+speculating and plain requests share the step), accept position by position with the
+lossless rule, ALWAYS commit the accepted path on the target (TVM requires a commit before the
+next forward), then pop the rejected drafts from the draft cache. At each position the
+request's sampling goes exactly as in plain decoding (penalties over the tokens accepted so
+far, min_tokens masks, stop checks), through the engine's own post-processing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...errors import MlcrunError
+from ..request import Request
+from ..sampler import sample_batch
+from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+log = logging.getLogger(__name__)
+
+_NO_DRAFT = DraftTree()
+
+
+class SpeculativeDecoder:
+    def __init__(self, engine: Engine, drafter, width: int) -> None:
+        self.engine = engine
+        self.drafter = drafter
+        self.width = width
+
+    def step(self, batch: list[Request], lengths: dict[Request, int]) -> bool:
+        """Run the step; False when no request drafted anything (then nothing ran, and the
+        caller decodes plainly, which costs less than a verify of one-node trees)."""
+        e = self.engine
+        start = time.perf_counter()
+        trees = self._propose(batch, lengths)
+        e.stats.draft_seconds += time.perf_counter() - start
+        batch = [r for r in batch if not r.finished]  # a failed draft forward fails its requests
+        if not any(t.size for t in trees.values()):
+            return False
+        nodes, parents, sizes = [], [], []
+        for req in batch:
+            tree = trees.get(req, _NO_DRAFT)
+            nodes += [req.tokens[req.num_computed], *tree.tokens]
+            parents += [-1, *tree.parents]
+            sizes.append(1 + tree.size)
+        seq_ids = [r.seq_id for r in batch]
+        start = time.perf_counter()
+        logits = e._forward(
+            batch, lambda: e.runner.batch_verify(e._embed(nodes), seq_ids, sizes, parents)
+        )
+        if logits is None:
+            return True
+        e.stats.verify_seconds += time.perf_counter() - start
+        offsets = dict(zip(batch, np.cumsum([0, *sizes[:-1]])))
+        paths = self._accept(batch, trees, logits, offsets)
+        leaves = [paths[r][-1] if paths[r] else 0 for r in batch]
+        try:
+            e.runner.commit_accepted_token_tree_nodes(seq_ids, leaves)
+        except Exception as err:  # the verified sequences' K/V cannot be trusted
+            log.exception("committing a verified token tree failed")
+            for req in batch:
+                e._fail(req, f"the model forward failed: {type(err).__name__}: {err}")
+            return True
+        for req in batch:
+            req.num_computed += 1 + len(paths[req])
+            e.stats.decode_tokens += 1 + len(paths[req])
+            self._account(req, trees.get(req, _NO_DRAFT), paths[req])
+        return True
+
+    def _propose(self, batch: list[Request], lengths: dict[Request, int]) -> dict:
+        drafting = [r for r in batch if lengths.get(r, 0) > 0]
+        if not drafting:
+            return {}
+        try:
+            return self.drafter.propose(drafting, lengths, self.width)
+        except Exception as err:  # a draft-model forward: its requests fail, the rest go on
+            log.exception("a draft forward of %d request(s) failed", len(drafting))
+            for req in drafting:
+                self.engine._fail(req, f"the draft model failed: {type(err).__name__}: {err}")
+            return {}
+
+    def _accept(self, batch, trees, logits, offsets) -> dict[Request, list[int]]:
+        """Walk each tree from its root, one position per round for all requests at once:
+        sample as plain decoding would, given the candidates drafted below the current node.
+        Returns each request's accepted nodes (root excluded), in order."""
+        e = self.engine
+        node = {r: 0 for r in batch}
+        paths: dict[Request, list[int]] = {r: [] for r in batch}
+        active = list(batch)
+        while active:
+            live, rows, masks, drafts, kids = [], [], [], [], []
+            for req in active:
+                try:
+                    mask = e._mask(req)
+                except Exception as err:
+                    e._fail_alone(req, "its constraint failed", err)
+                    continue
+                tree = trees.get(req, _NO_DRAFT)
+                children = tree.children(node[req])
+                live.append(req)
+                rows.append(logits[offsets[req] + node[req]])
+                masks.append(mask)
+                kids.append(children)
+                candidates = [tree.tokens[c - 1] for c in children]
+                drafts.append((candidates, tree.q.get(node[req])) if children else None)
+            if not live:
+                break
+            results = sample_batch(
+                np.stack(rows),
+                [r.params for r in live],
+                [r.sampler for r in live],
+                masks if any(m is not None for m in masks) else None,
+                drafts,
+            )
+            active = []
+            for req, res, children in zip(live, results, kids):
+                try:
+                    if res.error is not None:
+                        raise MlcrunError(res.error)
+                    e._accept(req, res.token, res.top_logprobs)
+                except Exception as err:
+                    e._fail_alone(req, "sampling failed", err)
+                    continue
+                if res.accepted is not None:
+                    node[req] = children[res.accepted]
+                    paths[req].append(node[req])
+                    if not req.finished:
+                        active.append(req)
+        return paths
+
+    def _account(self, req: Request, tree: DraftTree, path: list[int]) -> None:
+        e = self.engine
+        drafted = len(tree.chain)
+        if drafted:
+            e.stats.spec_steps += 1
+            e.stats.spec_drafted += drafted
+            e.stats.spec_accepted += len(path)
+            metrics = e._streams[req].metrics if req in e._streams else None
+            if metrics is not None:
+                metrics.spec_steps += 1
+                metrics.draft_tokens += drafted
+                metrics.accepted_tokens += len(path)
+            req.acceptance.update(drafted, len(path))
+        if not req.finished and hasattr(self.drafter, "verified"):
+            self.drafter.verified(req, tree, path)

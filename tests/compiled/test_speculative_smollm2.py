@@ -1,0 +1,83 @@
+"""Speculative decoding on a real chat model, SmolLM2-135M-Instruct (the embedded default
+model): every mode gives plain greedy decoding's tokens, for 16 concurrent chat prompts and
+alone. `self` drafts from a 4-bit copy of an F32 compile; `draft` uses the default q4 model
+as the F32 model's draft (the same tokenizer); `ngram` runs on the default q4 model."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlcrun import LLM, EngineConfig, SamplingParams
+from mlcrun.default_model import default_model_path
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Repeat exactly: the quick brown fox jumps over the lazy dog.",
+    "Write a Python function that adds two numbers.",
+    "Summarize: The cat sat on the mat. The mat was red. The cat was happy.",
+    "List three colors.",
+    "Why is the sky blue?",
+    "Translate 'good morning' to French.",
+    "Count from one to ten in words.",
+    "Correct the spelling: 'Teh wether is nise todya.'",
+    "What is 12 times 12?",
+    "Give me a haiku about rain.",
+    "Copy this list: apples, pears, plums, cherries, grapes.",
+    "Who wrote Romeo and Juliet?",
+    "Name a large animal.",
+    "Say hello in Spanish.",
+    "Describe a tree in one sentence.",
+]
+GREEDY = SamplingParams(max_tokens=48, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(default q4 artifact, F32 artifact) of SmolLM2-135M-Instruct."""
+    from mlcrun.compiler.build import compile_model
+    from mlcrun.compiler.options import CompileOptions
+
+    root = tmp_path_factory.mktemp("smollm2")
+    gguf = str(default_model_path())
+    q4 = compile_model(gguf, root / "q4", CompileOptions(context_window=1024, max_batch=16))
+    f32 = compile_model(
+        gguf, root / "f32", CompileOptions(quantization="q0f32", context_window=1024, max_batch=16)
+    )
+    return q4, f32
+
+
+def chat_prompts(llm: LLM) -> list[list[int]]:
+    return [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def engine(folder, **spec) -> LLM:
+    return LLM(folder, engine_config=EngineConfig(max_num_sequence=16, **spec))
+
+
+@pytest.mark.parametrize(
+    "which,spec",
+    [
+        ("q4", dict(speculative_mode="ngram", spec_draft_length=4)),
+        ("q4", dict(speculative_mode="ngram", spec_tree_width=3)),
+        ("f32", dict(speculative_mode="self", spec_draft_length=3)),
+        ("f32", dict(speculative_mode="self", spec_tree_width=2)),
+        ("f32", dict(speculative_mode="draft", spec_draft_length=3)),
+    ],
+    ids=["ngram-k4", "ngram-adaptive-w3", "self-k3", "self-adaptive-w2", "draft-q4-k3"],
+)
+def test_greedy_chat_is_token_for_token_plain(models, monkeypatch, tmp_path, which, spec):
+    monkeypatch.setenv("MLCRUN_HOME", str(tmp_path))  # self-drafts and cost tables go here
+    q4, f32 = models
+    folder = q4 if which == "q4" else f32
+    if spec["speculative_mode"] == "draft":
+        spec = {**spec, "draft_model": str(q4)}
+    plain = engine(folder)
+    prompts = chat_prompts(plain)
+    want = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    llm = engine(folder, **spec)
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a == b, (QUESTIONS[i], plain.tokenizer.decode(a), plain.tokenizer.decode(b))
+    assert llm.generate(prompts[1:2], GREEDY)[0].token_ids == want[1]
+    stats = llm.engine.stats
+    assert stats.spec_accepted > 0, stats

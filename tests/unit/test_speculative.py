@@ -1,0 +1,380 @@
+"""Speculative decoding on the numpy FakeRunner: the acceptance rule is lossless, greedy output
+is token-for-token plain decoding's in every mode, sampled output has plain sampling's
+distribution, both KV caches hold exactly the accepted tokens, drafts never cost a
+preemption, and failures stay with their requests."""
+
+import hashlib
+import itertools
+
+import numpy as np
+import pytest
+from checkpoints import write_tokenizer
+from fake_runner import FakeRunner
+from stats_check import assert_draws_follow
+
+from mlcrun.engine.config import EngineConfig
+from mlcrun.engine.engine import Engine
+from mlcrun.engine.spec.accept import accept_sampled
+from mlcrun.engine.spec.adaptive import CostModel, best_draft_length, expected_tokens
+from mlcrun.engine.spec.ngram import NgramDrafter
+from mlcrun.engine.types import SamplingParams
+from mlcrun.errors import MlcrunError
+from mlcrun.tokenizer import Tokenizer
+
+# -- the acceptance rule on synthetic distributions --------------------------------------------
+
+P = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04, 0.0, 0.0])
+Q = np.array([0.1, 0.1, 0.3, 0.3, 0.05, 0.05, 0.1, 0.0])
+
+
+def without_replacement(q, k, rng):
+    left, out = q.copy(), []
+    for _ in range(k):
+        token = int(rng.choice(q.size, p=left / left.sum()))
+        out.append(token)
+        left[token] = 0
+    return out
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["one drawn from q", "three drawn from q", "p equals q", "deterministic", "deterministic x3"],
+)
+def test_the_acceptance_rule_keeps_the_target_distribution(case):
+    rng = np.random.default_rng(1)
+    tokens, accepted = [], 0
+    for _ in range(30_000):
+        if case == "one drawn from q":
+            cands, q = without_replacement(Q, 1, rng), Q
+        elif case == "three drawn from q":
+            cands, q = without_replacement(Q, 3, rng), Q
+        elif case == "p equals q":
+            cands, q = without_replacement(P, 2, rng), P
+        elif case == "deterministic":
+            cands, q = [3], None
+        else:
+            cands, q = [6, 2, 0], None  # a candidate the target never picks comes first
+        token, j = accept_sampled(P, cands, q, rng)
+        tokens.append(token)
+        accepted += j is not None
+    assert_draws_follow(np.array(tokens), P)
+    if case == "one drawn from q":  # the known acceptance rate: sum of min(p, q)
+        want = np.minimum(P, Q).sum()
+        assert abs(accepted / 30_000 - want) < 4 * np.sqrt(want * (1 - want) / 30_000)
+    if case == "p equals q":
+        assert accepted == 30_000
+
+
+# -- engine harness ------------------------------------------------------------------------------
+
+
+class NoisyRunner(FakeRunner):
+    """A poor draft: the target's logits plus noise, so its argmax often differs."""
+
+    def __init__(self, noise=2.0, **kw):
+        super().__init__(**kw)
+        self.noise = noise
+
+    def logits(self, history):
+        base = super().logits(history)
+        digest = hashlib.sha256(np.asarray(history, np.int64).tobytes() + b"draft").digest()
+        rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+        return base + rng.normal(0, self.noise, base.size).astype(np.float32)
+
+
+def make(mode="none", k=3, width=1, draft=None, vocab=64, seqs=16, pages=400, script=None,
+         window=256, eos_after=None, costs=None, decoder=None, prefix_cache=True):  # fmt: skip
+    runner = FakeRunner(vocab_size=vocab, script=script, script_from=0, eos_after=eos_after)
+    config = EngineConfig(
+        max_num_sequence=seqs,
+        max_total_sequence_length=pages * 4,
+        prefill_chunk_size=64,
+        kv_cache_page_size=4,
+        prefix_cache=prefix_cache,
+        speculative_mode=mode,
+        spec_draft_length=k,
+        spec_tree_width=width,
+        draft_model="d" if mode == "draft" else None,
+    )
+    if mode in ("draft", "self") and draft is None:
+        draft = FakeRunner(vocab_size=vocab, script=script, script_from=0, eos_after=eos_after)
+    engine = Engine(
+        runner,
+        config,
+        eos_token_ids=[0],
+        context_window=window,
+        draft_runner=draft,
+        cost_model=costs or FLAT,
+        decoder_factory=decoder,
+    )
+    return engine, runner, draft
+
+
+FLAT = CostModel(verify={1: {1: 1.0, 9: 1.2}, 64: {1: 2.0, 9: 3.0}}, draft={1: 0.05, 64: 0.1})
+
+
+def run_all(engine, runner=None, draft=None, aborts=()):
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[(out.request_id, out.index)] = out
+        check_caches(engine, runner, draft)
+    return outs
+
+
+def check_caches(engine, runner, draft):
+    """Both caches hold exactly each running request's computed tokens."""
+    if runner is None:
+        return
+    for req in engine.scheduler.running:
+        assert runner.seqs[req.seq_id] == req.tokens[: req.num_computed]
+        if draft is not None:
+            assert draft.seqs[req.seq_id] == req.tokens[: req.num_draft_computed]
+
+
+def prompts(n, seed=0, vocab=64):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        motif = rng.integers(1, vocab, size=int(rng.integers(2, 5))).tolist()
+        out.append(motif * int(rng.integers(2, 5)) + rng.integers(1, vocab, size=3).tolist())
+    return out
+
+
+def generate(engine, runner, draft, ps, params):
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", p, params[i] if isinstance(params, list) else params)
+    return run_all(engine, runner, draft)
+
+
+COPYING = [5, 9, 13, 17, 21, 25, 29, 33] * 20  # a model that repeats itself: drafts hit
+
+
+@pytest.mark.parametrize(
+    "mode,k,width,noise",
+    [
+        ("ngram", 3, 1, None),
+        ("ngram", 0, 3, None),
+        ("draft", 3, 1, 0.0),
+        ("draft", 0, 3, 2.0),
+        ("self", 4, 2, 1.0),
+    ],
+)
+@pytest.mark.parametrize("script", [None, COPYING], ids=["random", "copying"])
+def test_greedy_output_is_plain_decodings_in_every_mode(mode, k, width, noise, script):
+    ps = prompts(16, seed=3)
+    params = [
+        SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=bool(i % 3))
+        for i, m in enumerate(np.random.default_rng(0).integers(1, 40, size=16))
+    ]
+    plain = generate(*make(script=script, eos_after=40, window=60), ps, params)
+    draft = NoisyRunner(noise, script=script, script_from=0, eos_after=40) if noise else None
+    engine, runner, draft = make(mode, k, width, draft, script=script, eos_after=40, window=60)
+    spec = generate(engine, runner, draft, ps, params)
+    for key, out in plain.items():
+        assert spec[key].token_ids == out.token_ids, key
+        assert spec[key].finish_reason == out.finish_reason, key
+    if script is COPYING:
+        assert engine.stats.spec_accepted > 0
+    engine.reset_prefix_cache()
+    assert runner.get_num_available_pages() == runner.num_pages and not runner.seqs
+    if draft is not None:
+        assert not draft.seqs and draft.get_num_available_pages() == draft.num_pages
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    write_tokenizer(folder)
+    return Tokenizer.from_dir(folder)
+
+
+@pytest.mark.parametrize("stop", ["lo w", "world", "d!"])
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_stop_strings_end_speculated_text_exactly_as_plain(tokenizer, mode, stop):
+    script = tokenizer.encode("hello world! " * 6, add_special_tokens=False)
+    decoder = lambda p: tokenizer.stream(prefix_ids=p[-4:])  # noqa: E731
+    params = SamplingParams(max_tokens=60, temperature=0, stop=(stop,))
+    prompt = script[:20]
+    outs = []
+    for m in ("none", mode):
+        engine, runner, draft = make(m, 6, 1, vocab=320, script=[*script, *script], decoder=decoder)
+        engine.add_request("r", prompt, params)
+        outs.append(run_all(engine, runner, draft)[("r", 0)])
+    assert outs[1].text == outs[0].text and outs[1].finish_reason == outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == outs[0].token_ids
+
+
+# -- sampling is lossless inside the engine ------------------------------------------------------
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+@pytest.mark.parametrize("mode,width", [("draft", 1), ("draft", 2), ("ngram", 1)])
+def test_sampled_tokens_have_plain_samplings_joint_distribution(mode, width):
+    """Three tokens after a fixed prompt, over many seeds: their joint distribution is the
+    product of the target's softmaxes (computed exactly from the FakeRunner)."""
+    vocab, prompt = 4, [1, 2, 3, 1, 2, 3, 1, 2]
+    target = FakeRunner(vocab_size=vocab, eos=99 % vocab)
+    exact = {}
+    for seq in itertools.product(range(vocab), repeat=3):
+        p, history = 1.0, list(prompt)
+        for t in seq:
+            logits = target.logits(history)
+            p *= softmax(logits)[t]
+            history.append(t)
+        exact[seq] = p
+    cells = sorted(exact)
+    expected = np.array([exact[c] for c in cells])
+    index = {c: i for i, c in enumerate(cells)}
+    draws = []
+    for batch in range(10):
+        draft = NoisyRunner(1.5, vocab_size=vocab, eos=99 % vocab) if mode == "draft" else None
+        engine, runner, draft = make(mode, 2, width, draft, vocab=vocab, seqs=64, pages=2000)
+        engine.runner.eos = draft.eos if draft else 99 % vocab
+        for i in range(200):
+            params = SamplingParams(max_tokens=3, temperature=1.0, seed=batch * 1000 + i,
+                                    ignore_eos=True)  # fmt: skip
+            engine.add_request(f"r{i}", prompt, params)
+        outs = run_all(engine, runner, draft)
+        draws += [index[tuple(o.token_ids)] for o in outs.values()]
+        assert engine.stats.spec_steps > 0
+    assert_draws_follow(np.array(draws), expected)
+
+
+# -- scheduling ----------------------------------------------------------------------------------
+
+
+def test_drafts_never_cost_a_preemption():
+    ps = prompts(8, seed=5)
+    params = SamplingParams(max_tokens=30, temperature=0)
+    runs = []
+    for mode in ("none", "ngram"):
+        engine, runner, _ = make(mode, 8, 1, script=COPYING, pages=80, seqs=8)
+        runs.append(generate(engine, runner, None, ps, params))
+        assert engine.stats.preemptions == 0  # the cache only just holds them all
+    assert {k: o.token_ids for k, o in runs[1].items()} == {
+        k: o.token_ids for k, o in runs[0].items()
+    }
+
+
+@pytest.mark.parametrize("free,k", [(2, 8), (1, 7), (0, 3), (-1, 0)])
+def test_draft_lengths_shrink_to_the_free_pages(free, k):
+    engine, runner, _ = make("ngram", 8, 1, script=COPYING, pages=64)
+    engine.add_request("r", COPYING[:20], SamplingParams(max_tokens=50, temperature=0))
+    engine.step()  # prefilled: 20 tokens in 5 pages, the first sampled token is pending
+    (req,) = engine.scheduler.running
+    while runner.get_num_available_pages() > max(free + 1, 0):
+        runner._alloc()  # pages taken elsewhere
+    # The pending token needs a 6th page; 1 + K tokens from position 20 fit in it and `free`
+    # more (4 tokens a page).
+    granted, reserved = engine.scheduler._reserve_drafts([req], reserved=1)
+    assert granted.get(req, 0) == k
+    assert reserved - 1 <= max(free, 0)  # never more pages than are free
+
+
+def test_drafts_are_clamped_to_max_tokens_and_the_context_window():
+    for params, window in [
+        (SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), 256),
+        (SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), 40),
+    ]:
+        outs = []
+        for mode in ("none", "ngram"):
+            engine, runner, _ = make(mode, 8, 3, script=COPYING, window=window)
+            engine.add_request("r", COPYING[:24], params)
+            outs.append(run_all(engine, runner)[("r", 0)])
+        assert outs[1].token_ids == outs[0].token_ids
+        assert outs[1].finish_reason == "length"
+        assert len(outs[1].token_ids) == min(params.max_tokens, window - 24)
+
+
+def test_forks_from_the_prefix_cache_keep_both_caches_exact():
+    shared = COPYING[:30]
+    params = SamplingParams(max_tokens=20, temperature=0)
+    engine, runner, draft = make("draft", 4, 1, script=COPYING, seqs=4)
+    first = generate(engine, runner, draft, [shared + [3, 4]], params)
+    engine.add_request("second", shared + [7, 8, 9], params)
+    second = run_all(engine, runner, draft)[("second", 0)]
+    assert second.metrics.cached_tokens >= 28
+    plain_engine, plain_runner, _ = make(script=COPYING, prefix_cache=False)
+    want = generate(plain_engine, plain_runner, None, [shared + [7, 8, 9]], params)
+    assert second.token_ids == want[("r0", 0)].token_ids
+    assert first[("r0", 0)].token_ids
+
+
+# -- adaptive K ---------------------------------------------------------------------------------
+
+
+def test_best_draft_length_backs_off_where_verifying_costs_as_much_as_it_saves():
+    cheap = CostModel(verify={1: {1: 1.0, 2: 1.05, 9: 1.4}, 16: {1: 2.0, 2: 2.1, 9: 3.0}})
+    compute_bound = CostModel(verify={1: {1: 1.0, 9: 1.4}, 16: {1: 2.0, 2: 4.0, 9: 18.0}})
+    assert best_draft_length([0.8], cheap, 8) >= 4
+    assert best_draft_length([0.8] * 16, compute_bound, 8) == 0
+    assert best_draft_length([0.05], cheap, 8) == 0  # nothing gets accepted
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_adaptive_speculation_backs_off_on_unpredictable_text_and_stays_exact():
+    ps = prompts(4, seed=9)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = generate(*make(), ps, params)
+    # a hopeless draft whose steps cost a third of the target's
+    costs = CostModel(verify={1: {1: 1.0, 9: 1.8}, 64: {1: 2.0, 9: 6.0}}, draft={1: 0.3, 64: 0.6})
+    engine, runner, draft = make("draft", 0, 1, NoisyRunner(6.0), costs=costs)
+    spec = generate(engine, runner, draft, ps, params)
+    assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
+    drafting_steps = engine.stats.spec_steps / 4
+    assert drafting_steps < 20  # it stopped drafting for most of the 40 tokens
+
+
+# -- bad input and failures -----------------------------------------------------------------------
+
+
+def test_speculation_options_are_checked():
+    with pytest.raises(MlcrunError, match="spec_draft_length"):
+        EngineConfig(speculative_mode="ngram", spec_draft_length=-1)
+    with pytest.raises(MlcrunError, match="256"):
+        EngineConfig(speculative_mode="ngram", spec_draft_length=200, spec_tree_width=80)
+    with pytest.raises(MlcrunError, match="draft_model"):
+        EngineConfig(speculative_mode="draft")
+    with pytest.raises(MlcrunError, match="draft model"):
+        make("self", draft=None)[0] if False else Engine(
+            FakeRunner(),
+            EngineConfig(
+                max_num_sequence=2,
+                max_total_sequence_length=64,
+                prefill_chunk_size=16,
+                kv_cache_page_size=4,
+                speculative_mode="self",
+            ),
+            context_window=64,
+        )
+
+
+def test_a_failed_draft_forward_fails_only_the_drafting_requests():
+    ps = prompts(4, seed=11)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    plain = generate(*make(script=COPYING), ps, params)
+    engine, runner, draft = make("draft", 3, 1, script=COPYING, seqs=4)
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", p, params)
+    engine.step()  # prefill
+    draft.fail_next = RuntimeError("draft exploded")
+    engine.add_request("late", ps[0], params)
+    outs = run_all(engine, runner, draft)
+    failed = [k for k, o in outs.items() if o.finish_reason == "error"]
+    assert failed and all("draft exploded" in outs[k].error for k in failed)
+    assert outs[("late", 0)].token_ids == plain[("r0", 0)].token_ids
+
+
+def test_ngram_lookup_prefers_the_longest_match():
+    drafter = NgramDrafter(ngram_max=3)
+    tree = drafter.lookup([1, 2, 3, 9, 9, 2, 3, 4, 5, 6, 1, 2, 3], k=3)
+    assert tree.tokens == [9, 9, 2]  # "1 2 3" (n = 3) beat "2 3" -> 4
+    assert drafter.lookup([1, 2, 3, 4], k=3).tokens == []
+    wide = NgramDrafter(2).lookup([7, 1, 5, 7, 1, 6, 7, 1], k=2, width=3)
+    assert wide.tokens[:2] == [6, 7] and wide.tokens[2:] == [5] and wide.parents == [0, 1, 0]
