@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +15,8 @@ from .engine.types import RequestOutput, SamplingParams
 from .errors import MlcrunError
 from .runtime import Model
 from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 
@@ -56,6 +59,8 @@ class LLM:
                 context_window = min(context_window, self.draft.artifact.context_window)
             if not config.spec_draft_length:
                 costs_path, costs = speculation.cached_costs(self.model, self.draft, config)
+                if costs is None:
+                    log.warning("speculative decoding: measuring step costs (once per machine)")
         self.engine = Engine(
             self.model,
             config,

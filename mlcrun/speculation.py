@@ -37,7 +37,9 @@ def load_draft(
 ) -> Model | None:
     """The draft model of modes "draft" and "self", loaded and checked; None otherwise."""
     if config.speculative_mode == "draft":
-        folder = Path(config.draft_model)
+        from .default_model import resolve_artifact  # an artifact as is; else compiled, cached
+
+        folder = resolve_artifact(config.draft_model, device=target.artifact.device)
     elif config.speculative_mode == "self":
         from .compiler.draft import resolve_self_draft  # compiles on first use
 

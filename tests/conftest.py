@@ -1,9 +1,25 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mlcrun_home(tmp_path_factory):
+    """What mlcrun derives on first use (compiled models, self-drafts, measured speculation
+    costs) goes to a folder of this session, never into the user's ~/.cache/mlcrun. Tests that
+    need their own set MLCRUN_HOME themselves."""
+    home = tmp_path_factory.mktemp("mlcrun-home")
+    old = os.environ.get("MLCRUN_HOME")
+    os.environ["MLCRUN_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("MLCRUN_HOME", None)
+    else:
+        os.environ["MLCRUN_HOME"] = old
 
 
 @pytest.fixture(scope="session")

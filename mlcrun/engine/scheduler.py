@@ -74,8 +74,10 @@ class Scheduler:
         if req.seq_id is not None:
             seq_id, req.seq_id = req.seq_id, None
             # Retained, a sequence offers the tokens that every cache holds (a draft lags).
-            held = min(req.num_computed, req.num_draft_computed) if self.lockstep_draft else None
-            self.kv.close(seq_id, req.tokens[: held or req.num_computed] if keep else None)
+            held = req.num_computed
+            if self.lockstep_draft:
+                held = min(held, req.num_draft_computed)
+            self.kv.close(seq_id, req.tokens[:held] if keep else None)
 
     # ------------------------------------------------------------------ the decision
     def schedule(self) -> Schedule:

@@ -71,7 +71,13 @@ class ModelDrafter:
         sampled = [i for i, r in enumerate(reqs) if r.params.temperature != 0]
         for i in greedy:
             req, row = reqs[i], logits[i]
-            order = np.argsort(-row, kind="stable")[:width]
+            order = [int(row.argmax())]
+            if width > 1:  # the next best, best first (a partition, not a sort of the vocab)
+                top = np.argpartition(-row, width)[:width]
+                order += [
+                    int(t) for t in top[np.argsort(-row[top], kind="stable")] if t != order[0]
+                ]
+                order = order[:width]
             tips[req] = trees[req].add(tips[req], int(order[0]))
             trees[req].chain.append(tips[req])
             for token in order[1:]:
