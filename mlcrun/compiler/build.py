@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -60,11 +61,9 @@ def compile_model(
     wmap.check(source, float_param_names(params))
     progress.done()
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> artifact.Artifact:
         files = write_params(tmp, source, wmap, params, quantization, progress)
-        art = artifact.Artifact(
+        return artifact.Artifact(
             model=cfg.to_dict(),
             quantization=quantization,
             device=options.device,
@@ -77,7 +76,7 @@ def compile_model(
             param_files=tuple(f.name for f in files),
             params=tuple(artifact.TensorInfo(n, s, d) for n, s, d in params),
             params_sha256=artifact.hash_files(files),
-            library_sha256="",  # known once the library is built, below
+            library_sha256="",  # known once the library is built (write_artifact)
             abi_version=abi.ABI_VERSION,
             mlcrun_version=__version__,
             source_fingerprint=fingerprint,
@@ -85,7 +84,25 @@ def compile_model(
             chat_template=_chat_template(folder),
             generation=_generation_defaults(folder),
         )
-        progress.phase(f"Compiling for {options.device} ({target.kind.name})")
+
+    return write_artifact(out, mod, target, fill, progress)
+
+
+def write_artifact(
+    out: Path,
+    mod: tvm.IRModule,
+    target: tvm.target.Target,
+    fill: Callable[[Path], artifact.Artifact],
+    progress: Progress,
+) -> Path:
+    """Write an artifact folder atomically: `fill(tmp)` writes the params and tokenizer files
+    into a temporary folder beside `out` and describes them; then the library is built and
+    hashed, the config written, and the folder renamed to `out` (nothing is left on failure)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        art = fill(tmp)
+        progress.phase(f"Compiling for {art.device} ({target.kind.name})")
         mod = attach_metadata(mod, art.library_metadata())
         _build_library(mod, target, tmp / art.library)
         art = replace(art, library_sha256=artifact.hash_file(tmp / art.library))

@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,8 +43,8 @@ from ..paths import drafts_dir
 from ..quant import PRESETS, QuantPreset, get_preset, numpy_ref
 from ..quant.transform import float_param_name
 from ..weights.mapping import ParamRule, WeightMap
-from .build import _build_library, _fingerprint, _replace
-from .export import attach_metadata, export_model
+from .build import _fingerprint, write_artifact
+from .export import export_model
 from .options import CompileOptions
 from .params import float_param_names, write_params
 from .progress import NullProgress, Progress
@@ -256,37 +255,26 @@ def build_draft(
     wmap.check(source, float_param_names(params))
     progress.done()
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> artifact.Artifact:
         files = write_params(tmp, source, wmap, params, quantization, progress)
         for name in art.tokenizer_files:
             shutil.copy2(target / name, tmp / name)
-        draft = replace(
+        return replace(
             art,
             quantization=quantization,
             library=f"{artifact.LIB_DIR}/{art.device}.so",
             param_files=tuple(f.name for f in files),
             params=tuple(artifact.TensorInfo(n, s, d) for n, s, d in params),
             params_sha256=artifact.hash_files(files),
-            library_sha256="",  # known once the library is built, below
+            library_sha256="",  # known once the library is built (write_artifact)
             abi_version=abi.ABI_VERSION,
             mlcrun_version=__version__,
             source_fingerprint=fingerprint,
             draft_of=art.params_sha256,
             format_version=artifact.FORMAT_VERSION,
         )
-        progress.phase(f"Compiling for {art.device} ({tvm_target.kind.name})")
-        mod = attach_metadata(mod, draft.library_metadata())
-        _build_library(mod, tvm_target, tmp / draft.library)
-        draft = replace(draft, library_sha256=artifact.hash_file(tmp / draft.library))
-        progress.done()
-        (tmp / artifact.CONFIG_FILE).write_text(draft.to_json())
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return write_artifact(out, mod, tvm_target, fill, progress)
 
 
 def draft_cache_path(art: artifact.Artifact, quantization: str) -> Path:

@@ -23,6 +23,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mlcrun import artifact
+from mlcrun.compiler import build as build_mod
 from mlcrun.compiler import draft as draft_mod
 from mlcrun.compiler.build import compile_model
 from mlcrun.compiler.draft import (
@@ -253,7 +254,7 @@ def test_failed_draft_leaves_the_target(target, tmp_path, monkeypatch):
     def broken(*args):
         raise RuntimeError("build failed")
 
-    monkeypatch.setattr(draft_mod, "_build_library", broken)
+    monkeypatch.setattr(build_mod, "_build_library", broken)
     with pytest.raises(RuntimeError, match="build failed"):
         compile_draft(out, Q)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in target.iterdir())
