@@ -287,12 +287,20 @@ class Engine:
             return None
 
     # ------------------------------------------------------------------ post-process
-    def _sample(self, ready: list[tuple[Request, np.ndarray]]) -> None:
-        """Sample the next token of every ready request, in one batch; a request whose own
-        sampling fails (its grammar, its text) fails alone."""
-        self._step_time = time.perf_counter()
-        batch, rows, masks = [], [], []
-        for req, row in ready:
+    def _sample(
+        self,
+        ready: list[tuple[Request, np.ndarray]],
+        drafts: list[tuple[list[int], np.ndarray | None] | None] | None = None,
+        now: float | None = None,
+    ) -> dict[Request, int | None]:
+        """Sample the next token of every ready request, in one batch, and append it; a
+        request whose own sampling fails (its grammar, its text) fails alone. drafts[i]: the
+        candidates drafted for ready[i]'s position (sample_batch's rule keeps the
+        distribution). Returns, per request that got a token, which candidate it is (None:
+        a fresh draw). `now`: the step's time, shared by the tokens of one step."""
+        self._step_time = time.perf_counter() if now is None else now
+        batch, rows, masks, candidates = [], [], [], []
+        for i, (req, row) in enumerate(ready):
             try:
                 masks.append(self._mask(req))
             except Exception as err:
@@ -300,14 +308,17 @@ class Engine:
                 continue
             batch.append(req)
             rows.append(row)
+            candidates.append(drafts[i] if drafts is not None else None)
         if not batch:
-            return
+            return {}
         results = sample_batch(
             np.stack(rows),
             [r.params for r in batch],
             [r.sampler for r in batch],
             masks if any(m is not None for m in masks) else None,
+            candidates if drafts is not None else None,
         )
+        accepted = {}
         for req, res in zip(batch, results):
             try:
                 if res.error is not None:
@@ -315,6 +326,9 @@ class Engine:
                 self._accept(req, res.token, res.top_logprobs)
             except Exception as err:
                 self._fail_alone(req, "sampling failed", err)
+                continue
+            accepted[req] = res.accepted
+        return accepted
 
     def _accept(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
         """Append a sampled token and finish the request if it ends here."""

@@ -17,9 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import MlcrunError
 from ..request import Request
-from ..sampler import sample_batch
 from .tree import DraftTree
 
 if TYPE_CHECKING:
@@ -90,48 +88,26 @@ class SpeculativeDecoder:
 
     def _accept(self, batch, trees, logits, offsets) -> dict[Request, list[int]]:
         """Walk each tree from its root, one position per round for all requests at once:
-        sample as plain decoding would, given the candidates drafted below the current node.
-        Returns each request's accepted nodes (root excluded), in order."""
-        e = self.engine
+        sample as plain decoding would (the engine's own sampling), given the candidates
+        drafted below the current node. Returns each request's accepted nodes (root
+        excluded), in order."""
         node = {r: 0 for r in batch}
         paths: dict[Request, list[int]] = {r: [] for r in batch}
+        now = time.perf_counter()  # the step's tokens share one time
         active = list(batch)
         while active:
-            live, rows, masks, drafts, kids = [], [], [], [], []
+            ready, drafts, kids = [], [], {}
             for req in active:
-                try:
-                    mask = e._mask(req)
-                except Exception as err:
-                    e._fail_alone(req, "its constraint failed", err)
-                    continue
                 tree = trees.get(req, _NO_DRAFT)
-                children = tree.children(node[req])
-                live.append(req)
-                rows.append(logits[offsets[req] + node[req]])
-                masks.append(mask)
-                kids.append(children)
-                candidates = [tree.tokens[c - 1] for c in children]
-                drafts.append((candidates, tree.q.get(node[req])) if children else None)
-            if not live:
-                break
-            results = sample_batch(
-                np.stack(rows),
-                [r.params for r in live],
-                [r.sampler for r in live],
-                masks if any(m is not None for m in masks) else None,
-                drafts,
-            )
+                kids[req] = tree.children(node[req])
+                ready.append((req, logits[offsets[req] + node[req]]))
+                candidates = [tree.tokens[c - 1] for c in kids[req]]
+                drafts.append((candidates, tree.q.get(node[req])) if candidates else None)
+            accepted = self.engine._sample(ready, drafts, now)
             active = []
-            for req, res, children in zip(live, results, kids):
-                try:
-                    if res.error is not None:
-                        raise MlcrunError(res.error)
-                    e._accept(req, res.token, res.top_logprobs)
-                except Exception as err:
-                    e._fail_alone(req, "sampling failed", err)
-                    continue
-                if res.accepted is not None:
-                    node[req] = children[res.accepted]
+            for req, j in accepted.items():
+                if j is not None:
+                    node[req] = kids[req][j]
                     paths[req].append(node[req])
                     if not req.finished:
                         active.append(req)
