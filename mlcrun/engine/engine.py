@@ -26,7 +26,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampler import check_vocab, sample_batch
 from .scheduler import Scheduler
-from .spec.adaptive import CostModel, best_draft_length
+from .spec.adaptive import PROBE_LENGTH, CostModel, best_draft_length
 from .spec.cost import measure_costs
 from .spec.decoder import SpeculativeDecoder
 from .spec.draft_model import ModelDrafter
@@ -360,10 +360,12 @@ class Engine:
         if not k:
             rates = [r.acceptance.rate for r in free]
             k = best_draft_length(rates, self.costs, self.config.spec_max_draft_length)
-            if not k:
+            if not k:  # plain decoding pays more; requests idle long enough probe anyway
+                probes = {r: PROBE_LENGTH for r in free if r.acceptance.probe_due}
                 for req in free:
                     req.acceptance.idle()
-        return {r: k for r in free} if k else {}
+                return probes
+        return {r: k for r in free}
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params

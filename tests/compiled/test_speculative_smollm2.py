@@ -80,4 +80,8 @@ def test_greedy_chat_is_token_for_token_plain(models, monkeypatch, tmp_path, whi
         assert a == b, (QUESTIONS[i], plain.tokenizer.decode(a), plain.tokenizer.decode(b))
     assert llm.generate(prompts[1:2], GREEDY)[0].token_ids == want[1]
     stats = llm.engine.stats
-    assert stats.spec_accepted > 0, stats
+    # A fixed K always drafts; an adaptive one drafts where this machine's costs say it pays,
+    # and probes now and then where they do not.
+    assert stats.spec_steps > 0, stats
+    if spec.get("spec_draft_length"):
+        assert stats.spec_accepted > 0, stats

@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 4.0  # pseudo-trials behind the prior
 DECAY = 0.97  # per step: older outcomes count less
+# A request that has not drafted for this many steps drafts a few tokens anyway, so its
+# acceptance is measured rather than assumed (a prior that says "no" would never be tested).
+PROBE_EVERY = 16
+PROBE_LENGTH = 2
 
 
 @dataclass
@@ -86,6 +90,7 @@ class Acceptance:
     def __init__(self) -> None:
         self.accepted = 0.0
         self.trials = 0.0
+        self.idle_steps = 0  # steps since it last drafted
 
     @property
     def rate(self) -> float:
@@ -96,10 +101,16 @@ class Acceptance:
         one ended the chain, so it counts as a trial too)."""
         self.accepted = self.accepted * DECAY + accepted
         self.trials = self.trials * DECAY + accepted + (1 if accepted < drafted else 0)
+        self.idle_steps = 0
 
     def idle(self) -> None:
         self.accepted *= DECAY
         self.trials *= DECAY
+        self.idle_steps += 1
+
+    @property
+    def probe_due(self) -> bool:
+        return self.idle_steps >= PROBE_EVERY
 
 
 def expected_tokens(rate: float, k: int) -> float:
