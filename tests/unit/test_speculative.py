@@ -355,6 +355,20 @@ def test_speculation_options_are_checked():
         )
 
 
+def test_a_tree_larger_than_the_prefill_chunk_is_refused():
+    config = EngineConfig(
+        max_num_sequence=2,
+        max_total_sequence_length=256,
+        prefill_chunk_size=16,
+        kv_cache_page_size=4,
+        speculative_mode="ngram",
+        spec_draft_length=12,
+        spec_tree_width=6,
+    )
+    with pytest.raises(MlcrunError, match="18 nodes is over the 16 tokens one forward takes"):
+        Engine(FakeRunner(), config, context_window=64)
+
+
 def test_a_failed_draft_forward_fails_only_the_drafting_requests():
     ps = prompts(4, seed=11)
     params = SamplingParams(max_tokens=12, temperature=0)
