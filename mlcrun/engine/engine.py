@@ -26,7 +26,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampler import check_vocab, sample_batch
 from .scheduler import Scheduler
-from .spec.adaptive import PROBE_LENGTH, CostModel, best_draft_length
+from .spec.adaptive import PRIOR_ACCEPTANCE, PROBE_LENGTH, CostModel, best_draft_length
 from .spec.cost import measure_costs
 from .spec.decoder import SpeculativeDecoder
 from .spec.draft_model import ModelDrafter
@@ -118,7 +118,6 @@ class Engine:
             self.kv,
             context_window=self.context_window,
             draft_lengths=self._draft_lengths if self.spec else None,
-            lockstep_draft=draft_runner is not None,
         )
         self.requests: dict[str, list[Request]] = {}  # unfinished requests by id
         self._streams: dict[Request, OutputStream] = {}
@@ -137,7 +136,11 @@ class Engine:
             if draft_runner is None:
                 raise MlcrunError(f"speculative_mode {mode!r} needs a draft model")
             return ModelDrafter(
-                draft_runner, self.kv, self.config.prefill_chunk_size, self.runner.vocab_size
+                draft_runner,
+                self.kv,
+                self.config.prefill_chunk_size,
+                self.runner.vocab_size,
+                self.config.max_num_sequence,
             )
         return None
 
@@ -258,7 +261,9 @@ class Engine:
             return []
         elapsed = time.perf_counter() - start
         self.stats.prefill_tokens += len(tokens)
-        if isinstance(self.drafter, ModelDrafter):  # the draft cache takes the same chunks
+        if isinstance(self.drafter, ModelDrafter) and self._drafting_pays(
+            len(self.scheduler.running), PRIOR_ACCEPTANCE
+        ):  # the draft cache takes the same chunks now, else it catches up when it drafts
             self._forward(batch, lambda: self.drafter.prefill(plan))  # failing fails them
         ready = []
         for row, (req, n) in enumerate(plan):
@@ -360,12 +365,22 @@ class Engine:
         if not k:
             rates = [r.acceptance.rate for r in free]
             k = best_draft_length(rates, self.costs, self.config.spec_max_draft_length)
-            if not k:  # plain decoding pays more; requests idle long enough probe anyway
-                probes = {r: PROBE_LENGTH for r in free if r.acceptance.probe_due}
+            if not k:  # plain decoding pays more; requests idle long enough probe, unless
+                # even drafts that are always right would not pay at this batch size
+                probe = self._drafting_pays(len(batch), 1.0)
+                probes = {r: PROBE_LENGTH for r in free if probe and r.acceptance.probe_due}
                 for req in free:
                     req.acceptance.idle()
                 return probes
         return {r: k for r in free}
+
+    def _drafting_pays(self, batch: int, rate: float) -> bool:
+        """Whether requests drafting with acceptance `rate` at this batch size would draft
+        (always, with a fixed draft length)."""
+        if self.config.spec_draft_length:
+            return True
+        max_k = self.config.spec_max_draft_length
+        return best_draft_length([rate] * max(batch, 1), self.costs, max_k) > 0
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params

@@ -2,9 +2,10 @@
 finished sequences retained for prefix reuse.
 
 Every sequence operation is applied to each cache in `caches`, in order (the target model's,
-then e.g. a draft model's), so that they always hold the same sequences. How many tokens a
-running sequence holds is its request's `num_computed`; retained sequences are known by the
-prefix tree.
+then e.g. a draft model's), so that they always hold the same sequences. The first cache holds
+a sequence's tokens (its request's `num_computed`; retained sequences are known by the prefix
+tree); the others ("followers", a draft model's) may hold only a prefix of them, since a draft
+catches up when it drafts: a fork takes from a follower only what it holds.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class KVCache(Protocol):
     def fork_sequence(self, parent_seq_id: int, child_seq_id: int, fork_pos: int = -1) -> None: ...
     def remove_sequence(self, seq_id: int) -> None: ...
     def popn(self, seq_id: int, num_tokens: int) -> None: ...
+    def sequence_length(self, seq_id: int) -> int: ...
     def get_num_available_pages(self) -> int: ...
 
 
@@ -65,19 +67,23 @@ class KVManager:
     # ------------------------------------------------------------------ sequences
     def open(
         self, tokens: Sequence[int], sibling: tuple[int, int] | None = None
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, int]:
         """A new sequence for a request whose next tokens are `tokens`: a fork of the
         `sibling` (sequence, length) when given, else of the longest cached prefix of `tokens`.
-        Returns (sequence id, tokens it already holds)."""
+        Returns (sequence id, tokens the first cache holds, tokens every follower holds)."""
         seq_id = next(self._ids)
         parent, length = sibling if sibling is not None else self._longest_prefix(tokens)
-        if parent is not None and length > 0:
-            for cache in self.caches:
-                cache.fork_sequence(parent, seq_id, length)
-            return seq_id, length
-        for cache in self.caches:
-            cache.add_new_sequence(seq_id)
-        return seq_id, 0
+        held = []
+        for i, cache in enumerate(self.caches):
+            n = length if parent is not None else 0
+            if i and n:  # a follower forks what it holds of the parent's prefix
+                n = min(n, cache.sequence_length(parent))
+            if n > 0:
+                cache.fork_sequence(parent, seq_id, n)
+            else:
+                cache.add_new_sequence(seq_id)
+            held.append(n)
+        return seq_id, held[0], min(held)
 
     def _longest_prefix(self, tokens: Sequence[int]) -> tuple[int | None, int]:
         if not self.prefix_cache or not tokens:

@@ -44,15 +44,13 @@ class Scheduler:
         *,
         context_window: int,
         draft_lengths: Callable[[list[Request]], dict[Request, int]] | None = None,
-        lockstep_draft: bool = False,
     ) -> None:
         """`draft_lengths`: how many tokens the decoding requests would like to draft (then
-        clamped here); `lockstep_draft`: a draft model's cache mirrors the target's."""
+        clamped here)."""
         self.config = config
         self.kv = kv
         self.context_window = context_window
         self.draft_lengths = draft_lengths
-        self.lockstep_draft = lockstep_draft
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -73,11 +71,7 @@ class Scheduler:
             self.waiting.remove(req)
         if req.seq_id is not None:
             seq_id, req.seq_id = req.seq_id, None
-            # Retained, a sequence offers the tokens that every cache holds (a draft lags).
-            held = req.num_computed
-            if self.lockstep_draft:
-                held = min(held, req.num_draft_computed)
-            self.kv.close(seq_id, req.tokens[:held] if keep else None)
+            self.kv.close(seq_id, req.tokens[: req.num_computed] if keep else None)
 
     # ------------------------------------------------------------------ the decision
     def schedule(self) -> Schedule:
@@ -207,8 +201,9 @@ class Scheduler:
         sibling = None
         if first is not None and first.seq_id is not None:
             sibling = (first.seq_id, min(len(first.prompt) - 1, limit))
-        req.seq_id, req.num_computed = self.kv.open(req.tokens[:limit], sibling)
-        req.num_draft_computed = req.num_computed  # every cache forked the same prefix
+        req.seq_id, req.num_computed, req.num_draft_computed = self.kv.open(
+            req.tokens[:limit], sibling
+        )
         if req.num_computed and not req.preemptions:
             req.cached_tokens = min(req.num_computed, len(req.prompt))
         req.order = next(self._order)

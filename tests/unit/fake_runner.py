@@ -90,6 +90,9 @@ class FakeRunner:
             self.refcount[p] -= 1
         del self.seqs[seq_id]
 
+    def sequence_length(self, seq_id):
+        return len(self.seqs[seq_id])
+
     def popn(self, seq_id, n):
         tokens = self.seqs[seq_id]
         assert 0 <= n <= len(tokens)

@@ -25,11 +25,11 @@ def fill(runners, seq_id, tokens):
 def test_every_sequence_operation_is_mirrored_on_each_cache():
     target, draft = runners = caches()
     kv = KVManager(runners, 4, prefix_cache=True, max_retained=4)
-    a, cached = kv.open([1, 2, 3, 4, 5, 6])
+    a, cached, _ = kv.open([1, 2, 3, 4, 5, 6])
     assert cached == 0 and a in target.seqs and a in draft.seqs
     fill(runners, a, [1, 2, 3, 4, 5, 6])
     kv.index(a, [1, 2, 3, 4, 5, 6])
-    b, cached = kv.open([1, 2, 3, 4, 5, 9])  # forks a's first five tokens on both
+    b, cached, _ = kv.open([1, 2, 3, 4, 5, 9])  # forks a's first five tokens on both
     assert cached == 5
     assert target.seqs[b] == draft.seqs[b] == [1, 2, 3, 4, 5]
     kv.popn(b, 2, caches=[draft])  # rejected drafts leave the draft cache only
@@ -45,6 +45,22 @@ def test_every_sequence_operation_is_mirrored_on_each_cache():
     assert kv.free_pages() == kv.total_pages == target.num_pages
 
 
+def test_a_fork_takes_from_a_follower_only_what_it_holds():
+    target, draft = runners = caches()
+    kv = KVManager(runners, 4, prefix_cache=True, max_retained=4)
+    a, _, _ = kv.open([])
+    target.batch_prefill(list(range(1, 11)), [a], [10])
+    draft.batch_prefill([1, 2, 3], [a], [3])  # the draft lags: it holds 3 of the 10 tokens
+    kv.close(a, keep=list(range(1, 11)))  # the target's whole sequence is offered
+    b, held, draft_held = kv.open(list(range(1, 10)) + [42])
+    assert (held, draft_held) == (9, 3)
+    assert target.seqs[b] == list(range(1, 10)) and draft.seqs[b] == [1, 2, 3]
+    draft.remove_sequence(a)  # a draft that holds nothing of the parent starts empty
+    draft.add_new_sequence(a)
+    c, held, draft_held = kv.open(list(range(1, 6)))
+    assert (held, draft_held) == (5, 0) and draft.seqs[c] == []
+
+
 def test_free_pages_is_the_tightest_cache():
     big, small = caches(2)[0], caches(1, pages=4)[0]
     kv = KVManager([big, small], 4, prefix_cache=False, max_retained=0)
@@ -56,12 +72,12 @@ def test_retained_sequences_are_evicted_least_recently_used_first():
     kv = KVManager(runners, 4, prefix_cache=True, max_retained=2)
     seqs = []
     for first in (10, 20, 30):
-        seq_id, _ = kv.open([first, 1, 2])
+        seq_id, _, _ = kv.open([first, 1, 2])
         fill(runners, seq_id, [first, 1, 2])
         kv.close(seq_id, keep=[first, 1, 2])
         seqs.append(seq_id)
     assert seqs[0] not in runner.seqs and kv.num_retained == 2  # bounded: the oldest went
-    _, cached = kv.open([20, 1, 2, 7])  # a hit touches seqs[1]
+    _, cached, _ = kv.open([20, 1, 2, 7])  # a hit touches seqs[1]
     assert cached == 3
     assert kv.evict_oldest() and seqs[2] not in runner.seqs and seqs[1] in runner.seqs
 

@@ -331,6 +331,58 @@ def test_adaptive_speculation_backs_off_on_unpredictable_text_and_stays_exact():
     assert drafting_steps < 20  # it stopped drafting for most of the 40 tokens
 
 
+class CountingRunner(FakeRunner):
+    """A draft that counts the tokens it is fed."""
+
+    fed = 0
+
+    def _begin(self, kind, seq_ids, lengths):
+        self.fed += sum(lengths)
+        return super()._begin(kind, seq_ids, lengths)
+
+
+# Drafting pays at batch 1 and never from batch 4 on (a verify costs what it saves).
+BATCH_BOUND = CostModel(
+    verify={1: {1: 1.0, 2: 1.02, 9: 1.2}, 4: {1: 1.0, 2: 2.0, 9: 9.0}, 64: {1: 16.0, 9: 144.0}},
+    draft={1: 0.01, 4: 0.04, 64: 0.64},
+)
+
+
+def test_where_drafting_cannot_pay_the_draft_model_does_no_work():
+    ps = prompts(6, seed=11)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = generate(*make(script=COPYING), ps, params)
+    draft = CountingRunner(vocab_size=64, script=COPYING, script_from=0)
+    engine, runner, draft = make("draft", 0, 1, draft, script=COPYING, costs=BATCH_BOUND)
+    spec = generate(engine, runner, draft, ps, params)
+    assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
+    assert draft.fed == 0  # no prompt prefilled into it, no probes: 6 requests stay at batch 6
+    assert engine.stats.spec_steps == 0
+
+
+def test_a_lagging_draft_catches_up_when_drafting_starts_to_pay():
+    """Four requests decode plainly (batch 4); once the short ones finish, the long one
+    drafts: its draft catches up on everything it lacks. A later request forks the retained
+    sequence: the target's whole prefix, the draft's shorter one, both exact."""
+    ps = [COPYING[i : i + 12] for i in (0, 3, 5, 7)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (60, 5, 6, 7)]
+    plain = generate(*make(script=COPYING), ps, params)
+    engine, runner, draft = make("draft", 0, 1, script=COPYING, costs=BATCH_BOUND)
+    spec = generate(engine, runner, draft, ps, params)  # check_caches runs after every step
+    assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
+    assert engine.stats.spec_steps > 0 and engine.stats.spec_accepted > 20
+    for name in ("s0", "s1", "s2", "s3"):  # keep batch 4 so the draft is not prefilled
+        engine.add_request(name, ps[0] + spec[("r0", 0)].token_ids[:30] + [3], params[1])
+    outs = run_all(engine, runner, draft)
+    assert outs[("s0", 0)].metrics.cached_tokens == 12 + 30
+    want = generate(
+        *make(script=COPYING, prefix_cache=False),
+        [ps[0] + spec[("r0", 0)].token_ids[:30] + [3]],
+        params[1],
+    )
+    assert outs[("s0", 0)].token_ids == want[("r0", 0)].token_ids
+
+
 # -- bad input and failures -----------------------------------------------------------------------
 
 

@@ -36,7 +36,7 @@ def measure_costs(
     seqs = []
     try:
         for _ in range(batch_sizes[-1]):
-            seq_id, _ = kv.open([])
+            seq_id, _, _ = kv.open([])
             seqs.append(seq_id)
             for cache in (runner, draft) if draft is not None else (runner,):
                 cache.batch_prefill(cache.token_embed(prompt), [seq_id], [DEPTH])

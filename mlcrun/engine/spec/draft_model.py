@@ -1,10 +1,13 @@
 """Drafting with a second, smaller model (or a low-bit copy of the target: the same code).
 
 The draft model's KV cache holds the same sequences as the target's (the KV manager applies
-every sequence operation to both, and prompts are prefilled into both in the same step). While
-decoding it lags: it holds a request's tokens up to `Request.num_draft_computed`. A draft step
-first feeds what it lacks (at least the pending token) in one ragged prefill, then decodes
-the chain one token per forward. Greedy requests take the draft's argmax; sampled requests
+every sequence operation to both), but it may lag: it holds a request's tokens up to
+`Request.num_draft_computed`. Prompts are prefilled into both in the same step when drafting
+is expected to pay at the running batch size (the engine decides); otherwise, e.g. at large
+batch sizes, the draft costs nothing until a request drafts. A draft step first feeds what
+the draft lacks (at least the pending token) in ragged prefills, then decodes the chain one
+token per forward. A request whose catch-up does not fit the draft cache's free pages does
+not draft this step. Greedy requests take the draft's argmax; sampled requests
 draw from the draft's distribution under their own sampling parameters (the q of the
 acceptance rule). After the verify, drafted tokens the target rejected are popped from the
 draft cache only.
@@ -24,10 +27,19 @@ from .tree import DraftTree
 
 
 class ModelDrafter:
-    def __init__(self, runner: ModelRunner, kv: KVManager, chunk_size: int, vocab_size: int):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        kv: KVManager,
+        chunk_size: int,
+        vocab_size: int,
+        max_num_sequence: int = 1,
+    ):
         self.runner = runner
         self.kv = kv
         self.chunk_size = chunk_size
+        # Draft pages kept free for this step's prefill (a chunk, one partial page per request)
+        self.reserve = kv.pages(chunk_size) + max_num_sequence
         self.vocab_size = vocab_size  # the target's: draft rows are cut or padded to it
         self._fed: dict[Request, int] = {}  # drafted tokens fed to the draft cache this step
 
@@ -36,7 +48,7 @@ class ModelDrafter:
     ) -> dict[Request, DraftTree]:
         """A tree per request of `batch` whose length is > 0: a chain of that length, plus
         width - 1 alternatives at the first position."""
-        reqs = [r for r in batch if lengths.get(r, 0) > 0]
+        reqs = self._fitting([r for r in batch if lengths.get(r, 0) > 0], lengths)
         self._fed = {}
         if not reqs:
             return {}
@@ -56,6 +68,23 @@ class ModelDrafter:
                 logits = logits[[reqs.index(r) for r in active]]
             self._choose(active, self._fit(logits), trees, tips, width if depth == 0 else 1)
         return trees
+
+    def _fitting(self, reqs: list[Request], lengths: dict[Request, int]) -> list[Request]:
+        """The requests that may draft: those level with the target (the scheduler reserved
+        their pages), and, oldest first, those whose catch-up fits the draft cache's free
+        pages beside this step's prefill."""
+        free = self.runner.get_num_available_pages() - self.reserve
+        out = []
+        for r in sorted(reqs, key=lambda r: r.order):
+            if r.num_draft_computed == r.num_computed:
+                out.append(r)
+                continue
+            grow = len(r.tokens) - r.num_draft_computed + lengths[r] - 1
+            need = self.kv.new_pages(r.num_draft_computed, grow)
+            if need <= free:
+                out.append(r)
+                free -= need
+        return out
 
     def _fit(self, logits: np.ndarray) -> np.ndarray:
         """Draft rows over the target's vocabulary (padded vocabularies may differ)."""
@@ -127,7 +156,11 @@ class ModelDrafter:
         return np.stack([last[r] for r in reqs])
 
     def prefill(self, plan: Sequence[tuple[Request, int]]) -> None:
-        """The target prefilled these chunks: the draft does too (same tokens, same step)."""
+        """The target prefilled these chunks: the draft does too (same tokens, same step),
+        for the requests it is level with (the others catch up when they draft)."""
+        plan = [(r, n) for r, n in plan if r.num_draft_computed == r.num_computed]
+        if not plan:
+            return
         tokens = [
             t for r, n in plan for t in r.tokens[r.num_draft_computed : r.num_draft_computed + n]
         ]
