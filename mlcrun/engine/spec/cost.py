@@ -2,13 +2,14 @@
 
 Scratch sequences are prefilled to a moderate depth, then at each batch size the target runs
 a plain decode step and chain verifies of n tokens per sequence, and the draft model (if any)
-a decode step; each point is the median of a few timed calls after a warm-up. The caches are
+a decode step; each point is the fastest of a few timed calls after a warm-up (other work on
+the machine only ever adds time, and a cost table measured slow would stop speculation where
+it pays). The caches are
 left as they were. Done once per model and machine (the caller caches the result).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 
@@ -18,7 +19,7 @@ from .adaptive import CostModel
 
 VERIFY_SIZES = (1, 2, 3, 5, 9)
 DEPTH = 64
-REPEATS = 3
+REPEATS = 5
 
 
 def measure_costs(
@@ -65,7 +66,7 @@ def _time_verify(runner: ModelRunner, ids: list[int], n: int) -> float:
         times.append(time.perf_counter() - start)
         for seq_id in ids:  # back to the same depth
             runner.popn(seq_id, 1)
-    return statistics.median(times[1:])
+    return min(times[1:])
 
 
 def _time_decode(runner: ModelRunner, ids: list[int]) -> float:
@@ -77,4 +78,4 @@ def _time_decode(runner: ModelRunner, ids: list[int]) -> float:
         times.append(time.perf_counter() - start)
         for seq_id in ids:
             runner.popn(seq_id, 1)
-    return statistics.median(times[1:])
+    return min(times[1:])
