@@ -5,8 +5,12 @@
         --json benchmarks/results/kernel.json                   # the default model, kernel view
     .venv/bin/python benchmarks/performance_doc.py             # -> docs/performance.md + .png
 
-Everything on the page comes from those two files; the only hand-written parts are the
-explanations of known gaps below (`GAPS`), printed when the measured ratio says mlcrun is behind.
+The "Speculative decoding" section comes from benchmarks/results/speculative.json
+(`.venv/bin/python benchmarks/speculative.py`) when that file exists.
+
+Everything on the page comes from those files; the only hand-written parts are the
+explanations of known gaps below (`GAPS`, `SPEC_GAPS`), printed when the measured ratio says
+mlcrun is behind or a target is missed.
 """
 
 from __future__ import annotations
@@ -82,6 +86,11 @@ GAPS = {
         "cache is fp32 (llama.cpp's is fp16), so long contexts double its share."
     ),
 }
+
+
+# Why a speculative-decoding target is missed (target id from speculative.py's TARGETS) ->
+# the explanation, printed under the target when the run misses it.
+SPEC_GAPS: dict[str, str] = {}
 
 
 def fmt(value, spec: str) -> str:
@@ -234,6 +243,247 @@ def profile_section(kernel: dict | None) -> list[str]:
     return out
 
 
+MODEL_NAMES = {"q4": "q4", "f32": "F32"}
+
+
+def _x(value) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def _cases(cases: list[dict]) -> str:
+    return ", ".join(f"{MODEL_NAMES[c['model']]} {c['mode']} {_x(c['value'])}" for c in cases)
+
+
+def spec_targets(spec: dict) -> list[str]:
+    out = [
+        "| target | measured (mlcrun, adaptive draft length) | result | fixed draft length, "
+        "for reference |",
+        "| --- | --- | --- | --- |",
+    ]
+    missed = []
+    for t in spec["targets"]:
+        counted = [c for c in t["cases"] if c["counted"]]
+        fixed = [c for c in t["cases"] if not c["counted"]]
+        result = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
+        out.append(
+            f"| {t['text']} | {_cases(counted) or '—'} | {result} | {_cases(fixed) or '—'} |"
+        )
+        if t["met"] is False:
+            below = [c for c in counted if c["met"] is False]
+            line = f"- **Missed: {t['text']}** ({_cases(below)})."
+            if SPEC_GAPS.get(t["id"]):
+                line += " " + SPEC_GAPS[t["id"]]
+            missed.append(line)
+    return out + ([""] + missed if missed else [])
+
+
+def code_version(spec: dict) -> str:
+    code = (spec.get("preparation") or {}).get("mlcrun_code") or {}
+    if code.get("commit"):
+        return f"mlcrun as committed at `{code['commit'][:12]}`"
+    if not code:
+        return "mlcrun from the working tree"
+    changes = code.get("worktree_changes") or []
+    dirty = f", {len(changes)} files under mlcrun/ changed" if changes else ""
+    return f"mlcrun from the working tree at `{code['head'][:12]}`{dirty}"
+
+
+def spec_section(spec: dict | None) -> list[str]:
+    """Speedups, acceptance and 16-way throughput of speculative decoding (speculative.json)."""
+    if spec is None:
+        return []
+    m, st = spec["machine"], spec["settings"]
+    prompts = spec["prompts"]
+    kinds = {k: [p for p in prompts if p["kind"] == k] for k in ("grounded", "open")}
+    versions = ", ".join(f"{k} {v}" for k, v in spec["versions"].items() if v)
+    rows = spec["results"]
+    out = [
+        "## Speculative decoding",
+        "",
+        "*From `benchmarks/results/speculative.json`, written by this run of "
+        "`benchmarks/speculative.py`:*",
+        "",
+        f"    {spec['command']}",
+        "",
+        f"On {spec['created']}, {code_version(spec)}: {m['cpu']}, {m['cores']} cores, "
+        f"{m['memory_gib']} GiB; "
+        f"**{spec['threads']} threads for every engine**, median of {spec['rounds']} "
+        "interleaved rounds, each (engine, model, mode) in a fresh process. Versions: "
+        f"{versions}.",
+        "",
+        "SmolLM2-135M-Instruct at **q4** (the default model's GGUF, Q4_1 layers and Q8_0 "
+        "embedding: mlcrun compiles it `-q auto` to q4f16_1+q8f32, llama.cpp runs the file) and "
+        "at **F32** (the same weights dequantized: mlcrun `-q q0f32`, llama.cpp the F32 GGUF, "
+        "transformers fp32 safetensors; transformers runs F32 only). "
+        f"{len(kinds['grounded'])} input-grounded chat prompts "
+        f"({', '.join(p['name'] for p in kinds['grounded'])}: the answer can quote the prompt) "
+        f"and {len(kinds['open'])} open chat prompts "
+        f"({', '.join(p['name'] for p in kinds['open'])}), "
+        f"{min(p['prompt_tokens'] for p in prompts)} to "
+        f"{max(p['prompt_tokens'] for p in prompts)} tokens with the chat template; the same "
+        f"token ids for every engine. Batch 1, {st['tokens']} greedy tokens per prompt, EOS "
+        "ignored (generation goes on past it), so every engine generates the same number of "
+        "tokens. **Speedup** is decode tokens/s (tokens after the first over the time after "
+        "the first, all prompts of a kind together) over the same engine's plain decoding of "
+        "the same model.",
+        "",
+    ]
+    out += spec_targets(spec)
+    out += [
+        "",
+        "Modes: mlcrun `ngram` (prompt lookup), `self` (the F32 model's own weights at "
+        "q4f16_1+q8f32) and `draft` (the q4 artifact as the draft model: the only smaller "
+        "model sharing SmolLM2's tokenizer available offline, i.e. the same weights at 4 bits); "
+        "without K the draft length is adaptive (the default), `K=n` fixes it. llama.cpp: "
+        "llama-cpp-python's `LlamaPromptLookupDecoding` (num_pred_tokens 10, max_ngram_size 2); "
+        "transformers: `generate(prompt_lookup_num_tokens=10)`. **Acceptance**: drafted tokens "
+        "kept / drafted tokens; **tok/fwd**: generated tokens after the first per forward of "
+        "the model (1.00 for plain decoding); transformers does not report its drafts.",
+        "",
+        "| engine | model | mode | grounded tok/s | speedup | acceptance | tok/fwd | "
+        "open tok/s | speedup | acceptance | tok/fwd | answers identical to mlcrun plain |",
+        "| --- | --- | --- |" + " ---: |" * 9,
+    ]
+    for r in rows:
+        cells = []
+        for kind in ("grounded", "open"):
+            k = r.get(kind) or {}
+            cells += [
+                fmt(k.get("decode_tps"), "{:.1f}"),
+                _x(k.get("speedup")) if r["mode"] != "plain" else "1.00x",
+                ratio_cell(k.get("acceptance_rate")),
+                ratio_cell(k.get("tokens_per_forward")),
+            ]
+        match = r["tokens_match"].get("mlcrun plain")
+        same = f"{match['identical_prompts']}/{match['prompts']}" if match else "—"
+        label = "**mlcrun**" if r["engine"] == "mlcrun" else r["engine"]
+        out.append(
+            f"| {label} | {MODEL_NAMES[r['model']]} | {r['mode']} | "
+            + " | ".join(cells)
+            + f" | {same} |"
+        )
+    out += [
+        "",
+        f"{st['concurrency']} requests at once (the prompts cycled), {st['tokens']} tokens "
+        "each, EOS ignored: generated tokens over wall time, prefill included; mlcrun's "
+        "adaptive modes against its plain decoding.",
+        "",
+        "| model | mode | tok/s | ratio to plain | drafted | accepted |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        t = r.get("throughput")
+        if not t:
+            continue
+        out.append(
+            f"| {MODEL_NAMES[r['model']]} | {r['mode']} | {t['tput_tps']:.1f} | "
+            f"{_x(t.get('ratio')) if r['mode'] != 'plain' else '1.00x'} | "
+            f"{t['draft_tokens']} | {t['accepted_tokens']} |"
+        )
+    out += spec_per_prompt(spec)
+    out += spec_notes(spec)
+    return out
+
+
+def spec_per_prompt(spec: dict) -> list[str]:
+    """Speedup of each prompt for the speculative variants (columns), EOS position beside."""
+    columns = [r for r in spec["results"] if r["mode"] != "plain" and "K=" not in r["mode"]]
+    if not columns:
+        return []
+    names = [
+        f"{MODEL_NAMES[r['model']]} {r['mode'] if r['engine'] == 'mlcrun' else r['engine']}"
+        for r in columns
+    ]
+    eos = spec.get("first_eos", {})
+    out = [
+        "",
+        "Speedup per prompt (median decode tok/s over the same engine's plain decoding); "
+        "`EOS at` is where mlcrun plain's answer first generates EOS (q4 / F32; — when it "
+        "does not within the tokens):",
+        "",
+        "| prompt | kind | prompt tokens | EOS at | " + " | ".join(names) + " |",
+        "| --- | --- | ---: | ---: |" + " ---: |" * len(names),
+    ]
+    for i, p in enumerate(spec["prompts"]):
+        at = " / ".join(
+            "—" if eos.get(m) is None or eos[m][i] is None else str(eos[m][i])
+            for m in ("q4", "f32")
+            if m in eos
+        )
+        cells = [
+            _x(((r.get(p["kind"]) or {}).get("speedup_per_prompt") or {}).get(p["name"]))
+            for r in columns
+        ]
+        out.append(
+            f"| {p['name']} | {p['kind']} | {p['prompt_tokens']} | {at or '—'} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return out
+
+
+def spec_notes(spec: dict) -> list[str]:
+    rows = spec["results"]
+    out = ["", "Notes from the same run:", ""]
+    mine = [r for r in rows if r["engine"] == "mlcrun" and r["mode"] != "plain"]
+    if mine:
+        same = [r["tokens_match"].get("mlcrun plain") for r in mine]
+        same = [s for s in same if s]
+        identical = sum(s["identical_prompts"] for s in same)
+        total = sum(s["prompts"] for s in same)
+        out.append(
+            f"- Greedy answers of mlcrun's speculative modes against its plain decoding of the "
+            f"same model: {identical} of {total} (mode, prompt) pairs identical token for token."
+        )
+    for r in rows:
+        if r["engine"] == "mlcrun" or r["mode"] == "plain":
+            continue
+        own = r["tokens_match"].get("same engine plain")
+        if own:
+            out.append(
+                f"- {r['engine']} {MODEL_NAMES[r['model']]} {r['mode']}: "
+                f"{own['identical_prompts']} of {own['prompts']} answers identical to its "
+                "own plain decoding."
+            )
+    sha = (spec.get("preparation") or {}).get("params_sha256") or {}
+    if len(sha) == 2:
+        same = len(set(sha.values())) == 1
+        out.append(
+            "- The F32 model's self-draft (q4f16_1+q8f32, re-quantized from its weights) and the "
+            "q4 artifact (the `draft` mode's draft model) have "
+            + ("byte-identical params (the same params_sha256)" if same else "different params")
+            + ": "
+            + ("`self` and `draft` draft with the same weights." if same else "see the JSON.")
+        )
+    eos = spec.get("first_eos") or {}
+    for model, positions in eos.items():
+        hit = [p for p in positions if p is not None]
+        if hit:
+            out.append(
+                f"- {MODEL_NAMES[model]}: mlcrun plain's answer generates EOS in {len(hit)} of "
+                f"{len(positions)} prompts (after {min(hit)} to {max(hit)} tokens); with EOS "
+                "ignored the model goes on past it, and those tokens count too."
+            )
+    costs = spec.get("warmups") or {}
+    for key, w in costs.items():
+        c = (w or {}).get("costs") or {}
+        verify = c.get("verify", {}).get("1")
+        if not verify:
+            continue
+        text = f"- Step costs at batch 1 measured by the warm-up start of `{key}`: decode "
+        text += f"{1e3 * verify['1']:.1f} ms"
+        text += "".join(
+            f", verify of {n} tokens {1e3 * verify[n]:.1f} ms"
+            for n in ("3", "5", "9")
+            if n in verify
+        )
+        if c.get("draft", {}).get("1"):
+            text += f", a draft-model step {1e3 * c['draft']['1']:.1f} ms"
+        out.append(text + ".")
+    out.append("")
+    return out
+
+
 def plot(doc: dict, path: Path) -> None:
     import matplotlib
 
@@ -263,7 +513,7 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def render(doc: dict, kernel: dict | None) -> str:
+def render(doc: dict, kernel: dict | None, spec: dict | None = None) -> str:
     m = doc["machine"]
     bw = doc["bandwidth"]["median"]
     versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
@@ -311,6 +561,7 @@ def render(doc: dict, kernel: dict | None) -> str:
     lines.append("")
     lines += profile_section(kernel)
     lines += kernel_section(kernel)
+    lines += spec_section(spec)
     lines += [
         "## Method",
         "",
@@ -332,11 +583,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare", type=Path, default=RESULTS / "compare.json")
     parser.add_argument("--kernel", type=Path, default=RESULTS / "kernel.json")
+    parser.add_argument("--speculative", type=Path, default=RESULTS / "speculative.json")
     parser.add_argument("--out", type=Path, default=DOC, help="the page (the plot goes beside)")
     args = parser.parse_args()
     doc = json.loads(args.compare.read_text())
     kernel = json.loads(args.kernel.read_text()) if args.kernel.exists() else None
-    args.out.write_text(render(doc, kernel))
+    spec = json.loads(args.speculative.read_text()) if args.speculative.exists() else None
+    args.out.write_text(render(doc, kernel, spec))
     plot(doc, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
