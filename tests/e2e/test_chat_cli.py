@@ -84,3 +84,32 @@ def test_llm_chat_uses_the_template(artifacts):
     assert out.prompt_token_ids == llm.tokenizer.apply_chat_template(messages)
     assert out.token_ids == llm.generate([out.prompt_token_ids], params)[0].token_ids
     assert len(llm.chat([messages, messages[1:]], params)) == 2
+
+
+def test_speculation_on_the_command_line_keeps_the_answer(artifacts):
+    folder = artifacts("llama")
+    result = run_chat(
+        folder,
+        *("--prompt", "Hello there", "--temperature", "0", "--max-tokens", "12", "--json"),
+        *("--speculative-mode", "ngram", "--spec-draft-length", "3", "--spec-tree-width", "2"),
+    )
+    assert result.returncode == 0, result.stderr
+    (row,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert row["text"] == expected_answers(folder, ["Hello there"])[0]
+    assert row["speculation"]["draft_tokens"] >= 0  # the run reports its drafts
+
+
+def test_bad_speculation_options_are_one_line_errors(artifacts):
+    folder = artifacts("llama")
+    cases = [
+        (("--speculative-mode", "ngram", "--spec-draft-length", "-1"), "spec"),
+        (("--speculative-mode", "bogus"), "speculative"),
+        (("--speculative-mode", "draft"), "draft"),  # no --draft-model
+        (("--speculative-mode", "ngram", "--spec-tree-width", "300"), "256"),
+    ]
+    for args, needle in cases:
+        result = run_chat(folder, "--prompt", "hi", "--max-tokens", "2", *args)
+        assert result.returncode != 0, args
+        assert "Traceback" not in result.stderr and result.stdout == "", args
+        assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+        assert needle in result.stderr.lower(), (args, result.stderr)
