@@ -1,6 +1,9 @@
-"""Loading a compiled artifact and running it (the counterpart of MLC-LLM's serve/model.h)."""
+"""Loading a compiled artifact and running it (the counterpart of MLC-LLM's serve/model.h).
 
-from .. import _tvm  # noqa: F401  (first: TVM without torch)
+Only TVM's runtime is loaded (ffi.py: tvm_ffi and libtvm_runtime.so, without torch), never
+its compiler."""
+
+from . import ffi  # noqa: F401  (first: the TVM runtime)
 from .model import Model
 
 __all__ = ["Model"]

@@ -5,24 +5,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
-import tvm
-from tvm import relax
 
 from .. import abi, artifact, env
 from ..errors import MlcrunError
+from . import ffi
 
 
-def device_for(art: artifact.Artifact) -> tvm.runtime.Device:
+def device_for(art: artifact.Artifact) -> ffi.Device:
     if art.device == "cuda":
-        dev = tvm.cuda(0)
-        if not dev.exist:
+        dev = ffi.cuda_device()
+        if dev is None:
             raise MlcrunError("this artifact was compiled for cuda, but no CUDA GPU is available")
         return dev
-    return tvm.cpu(0)
+    return ffi.cpu()
 
 
 def set_num_threads(num_threads: int | None) -> int:
@@ -38,14 +39,14 @@ def set_num_threads(num_threads: int | None) -> int:
     return n
 
 
-def load_vm(folder: Path, art: artifact.Artifact, dev) -> relax.VirtualMachine:
+def load_vm(folder: Path, art: artifact.Artifact, dev) -> ffi.VirtualMachine:
     # Loading a .so runs its code: only the bytes that were compiled get that far.
     path = artifact.verify_library(folder, art)
     try:
-        lib = tvm.runtime.load_module(str(path))
+        lib = ffi.load_module(path.resolve())
     except Exception as err:  # TVM raises its own error types for a bad .so
         raise MlcrunError(f"{path}: cannot load the compiled library ({err})") from None
-    vm = relax.VirtualMachine(lib, dev)
+    vm = ffi.VirtualMachine(lib, dev)
     for name in abi.MODEL_FUNCTIONS:
         if not _has(vm, name):
             raise MlcrunError(f"{path}: library lacks function {name!r}; recompile the model")
@@ -60,7 +61,7 @@ def load_vm(folder: Path, art: artifact.Artifact, dev) -> relax.VirtualMachine:
     return vm
 
 
-def _has(vm: relax.VirtualMachine, name: str) -> bool:
+def _has(vm, name: str) -> bool:
     # apache-tvm 0.27 raises AttributeError for a missing function; it has no
     # tvm.error.TVMError, which, named here, made the miss itself an AttributeError.
     try:
@@ -70,25 +71,28 @@ def _has(vm: relax.VirtualMachine, name: str) -> bool:
     return True
 
 
-def load_params(
-    folder: Path, art: artifact.Artifact, dev, verify: bool = True
-) -> list[tvm.runtime.Tensor]:
+def load_params(folder: Path, art: artifact.Artifact, dev, verify: bool = True) -> list[ffi.Tensor]:
     """Params in the order the library's functions take them.
 
     Each file is read once, front to back: on the CPU straight into the TVM tensors' memory
     (no mapping, no intermediate copy, so peak memory is the params themselves), and hashed on
-    the way when `verify` (params altered after compile are refused)."""
+    the way when `verify` (params altered after compile are refused), on a second thread, so
+    that hashing overlaps reading."""
     specs = {p.name: p for p in art.params}
-    tensors: dict[str, tvm.runtime.Tensor] = {}
-    digest = hashlib.sha256()
-    for name in art.param_files:
-        path = Path(folder) / artifact.PARAMS_DIR / name
-        if not path.exists():
-            raise MlcrunError(f"{folder}: params file {name} is missing")
-        digest.update(name.encode())
-        with path.open("rb") as f:
-            tensors.update(_read_shard(f, path, specs, dev, digest if verify else None))
-    if verify and digest.hexdigest() != art.params_sha256:
+    tensors: dict[str, ffi.Tensor] = {}
+    digest = _Hasher() if verify else None
+    try:
+        for name in art.param_files:
+            path = Path(folder) / artifact.PARAMS_DIR / name
+            if not path.exists():
+                raise MlcrunError(f"{folder}: params file {name} is missing")
+            if digest is not None:
+                digest.update(name.encode())
+            with path.open("rb") as f:
+                tensors.update(_read_shard(f, path, specs, dev, digest))
+    finally:
+        hexdigest = digest.close() if digest is not None else None
+    if verify and hexdigest != art.params_sha256:
         raise MlcrunError(
             f"{folder}: params were modified after compile (hash mismatch); recompile the model"
         )
@@ -98,7 +102,31 @@ def load_params(
     return [tensors[p.name] for p in art.params]
 
 
-def _read_shard(f, path: Path, specs: dict, dev, digest) -> dict[str, tvm.runtime.Tensor]:
+class _Hasher:
+    """sha256 fed in order by one worker thread (hashlib releases the GIL on large buffers,
+    as file reads do). The buffers handed to update() must not change until close()."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="mlcrun-params-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            self._digest.update(data)
+
+    def update(self, data) -> None:
+        self._queue.put(data)
+
+    def close(self) -> str:
+        """Wait for what was queued; the hex digest of it."""
+        self._queue.put(None)
+        self._thread.join()
+        return self._digest.hexdigest()
+
+
+def _read_shard(f, path: Path, specs: dict, dev, digest) -> dict[str, ffi.Tensor]:
     def read(n: int) -> bytes:
         data = f.read(n)
         if len(data) != n:
@@ -122,15 +150,15 @@ def _read_shard(f, path: Path, specs: dict, dev, digest) -> dict[str, tvm.runtim
             raise MlcrunError(f"{path}: param {key!r} does not match the artifact's config")
         if begin > pos:
             read(begin - pos)  # padding between tensors (hashed like the rest of the file)
-        tensor = tvm.runtime.empty(tuple(spec.shape), spec.dtype, tvm.cpu())
-        view = np.from_dlpack(tensor).reshape(-1).view(np.uint8)
+        tensor = ffi.empty(spec.shape, spec.dtype)
+        view = ffi.as_numpy(tensor).reshape(-1).view(np.uint8)
         if view.nbytes != end - begin:
             raise MlcrunError(f"{path}: param {key!r} has the wrong size")
         if f.readinto(view) != view.nbytes:
             raise MlcrunError(f"{path}: truncated params file")
         if digest is not None:
             digest.update(view)
-        out[key] = tensor if dev == tvm.cpu(0) else tensor.copyto(dev)
+        out[key] = tensor if ffi.is_cpu(dev) else ffi.copy_to(tensor, dev)
         pos = end
     if digest is not None:
         while chunk := f.read(1 << 20):  # trailing bytes, if any, are part of the hash too

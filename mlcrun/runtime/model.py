@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tvm
-from tvm.runtime import ShapeTuple
 
 from .. import abi, artifact
 from ..errors import MlcrunError
+from . import ffi
 from .library import device_for, load_params, load_vm, set_num_threads
 
 log = logging.getLogger(__name__)
@@ -77,6 +76,15 @@ class Model:
         self._kv = None
         self._kv_settings: dict[str, int] = {}
         self._trees: dict[int, list[int]] = {}  # parent pointers of the last verified trees
+        # The sequences in the cache (lengths are TVM's own): asking TVM about a sequence it
+        # lacks raises, and the first C++ exception of a process costs ~0.3 s (symbolizing
+        # its backtrace), which an existence check before every add would pay.
+        self._seq_ids: set[int] = set()
+        # Token ids are staged in one host buffer reused by every token_embed (CPU only).
+        self._ids_host = ffi.is_cpu(self.device)
+        self._ids_base: ffi.Tensor | None = None
+        self._ids: np.ndarray = np.empty(0, np.int32)  # its numpy view
+        self._ids_views: dict[int, tuple[ffi.Tensor, np.ndarray]] = {}
 
     # ---------------------------------------------------------------- info
     @property
@@ -120,14 +128,15 @@ class Model:
             prefill_chunk_size=prefill_chunk_size or a.prefill_chunk,
         )
         self._kv = self._f[abi.CREATE_KV_CACHE](
-            ShapeTuple([s["max_num_sequence"]]),
-            ShapeTuple([s["max_total_sequence_length"]]),
-            ShapeTuple([s["prefill_chunk_size"]]),
-            ShapeTuple([s["page_size"]]),
-            ShapeTuple([1 if self.config.sliding_window else 0]),
+            ffi.Shape([s["max_num_sequence"]]),
+            ffi.Shape([s["max_total_sequence_length"]]),
+            ffi.Shape([s["prefill_chunk_size"]]),
+            ffi.Shape([s["page_size"]]),
+            ffi.Shape([1 if self.config.sliding_window else 0]),
         )
         self._kv_settings = s
         self._trees = {}
+        self._seq_ids.clear()
 
     @property
     def kv(self):
@@ -139,6 +148,7 @@ class Model:
         if self._exists(seq_id):
             raise MlcrunError(f"sequence {seq_id} already exists in the KV cache")
         _call(abi.KV_ADD_SEQUENCE, self.kv, seq_id)
+        self._seq_ids.add(seq_id)
         if self.config.sliding_window:
             self.enable_sliding_window_for_seq(seq_id)
 
@@ -147,10 +157,12 @@ class Model:
         if self._exists(child_seq_id):
             raise MlcrunError(f"sequence {child_seq_id} already exists in the KV cache")
         _call(abi.KV_FORK_SEQUENCE, self.kv, parent_seq_id, child_seq_id, fork_pos)
+        self._seq_ids.add(child_seq_id)
 
     def remove_sequence(self, seq_id: int) -> None:
         self._check(seq_id)
         _call(abi.KV_REMOVE_SEQUENCE, self.kv, seq_id)
+        self._seq_ids.discard(seq_id)
 
     def popn(self, seq_id: int, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self.sequence_length(seq_id):
@@ -174,8 +186,8 @@ class Model:
         _call(
             abi.KV_COMMIT_TREE,
             self.kv,
-            ShapeTuple([int(seq_ids[i]) for i in order]),
-            ShapeTuple([leaves[i] for i in order]),
+            ffi.Shape([int(seq_ids[i]) for i in order]),
+            ffi.Shape([leaves[i] for i in order]),
         )
 
     @staticmethod
@@ -220,9 +232,11 @@ class Model:
 
     def sequence_length(self, seq_id: int) -> int:
         """Tokens of `seq_id` in the cache (TVM's own count: the runtime keeps no mirror)."""
+        if seq_id not in self._seq_ids:
+            raise MlcrunError(f"sequence {seq_id} is not in the KV cache")
         try:
             return int(_call(abi.KV_SEQUENCE_LENGTH, self.kv, seq_id))
-        except tvm.error.InternalError:
+        except RuntimeError:  # tvm.error.InternalError, or tvm_ffi's RuntimeError without tvm
             raise MlcrunError(f"sequence {seq_id} is not in the KV cache") from None
 
     def reset(self) -> None:
@@ -230,17 +244,51 @@ class Model:
         if self._kv is not None:
             _call(abi.KV_CLEAR, self._kv)
         self._trees = {}
+        self._seq_ids.clear()
 
     # ---------------------------------------------------------------- compute
-    def token_embed(self, token_ids: Sequence[int]) -> tvm.runtime.Tensor:
+    def token_embed(self, token_ids: Sequence[int]) -> ffi.Tensor:
         """[n] token ids -> [n, hidden] embeddings (a device tensor)."""
-        ids = np.asarray(token_ids, dtype=np.int32)
-        if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size)):
+        if self._ids_host:
+            ids, staged = self._staged_ids(len(token_ids))
+            try:
+                staged[...] = token_ids
+            except (TypeError, ValueError, OverflowError):
+                staged = None
+        else:
+            ids = staged = None
+        if staged is None:  # not a flat sequence of ints: the check below names the problem
+            staged = np.asarray(token_ids, dtype=np.int32)
+        if staged.ndim != 1 or not self._ids_in_vocab(token_ids, staged):
             raise MlcrunError(f"token ids must be in [0, {self.vocab_size})")
-        return self._f[abi.EMBED](tvm.runtime.tensor(ids, self.device), self._params)
+        if ids is None:
+            ids = ffi.from_numpy(staged, self.device)
+        return self._f[abi.EMBED](ids, self._params)
+
+    def _staged_ids(self, n: int) -> tuple[ffi.Tensor, np.ndarray]:
+        """A [n] int32 tensor over the reused host buffer, and its numpy view."""
+        views = self._ids_views.get(n)
+        if views is None:
+            if n > self._ids.size:
+                self._ids_base = ffi.empty([max(n, 2 * self._ids.size, 64)], "int32")
+                self._ids = ffi.as_numpy(self._ids_base)
+                self._ids_views.clear()
+            views = (ffi.view(self._ids_base, [n]), self._ids[:n])
+            if n <= 64:  # decode batches and small chunks: the views are kept
+                self._ids_views[n] = views
+        return views
+
+    def _ids_in_vocab(self, token_ids, staged: np.ndarray) -> bool:
+        if not staged.size:
+            return True
+        if isinstance(token_ids, list) and len(token_ids) <= 64:  # cheaper than numpy
+            lo, hi = min(token_ids), max(token_ids)
+        else:
+            lo, hi = staged.min(), staged.max()
+        return 0 <= lo and hi < self.vocab_size
 
     def batch_prefill(
-        self, embeddings: tvm.runtime.Tensor, seq_ids: Sequence[int], lengths: Sequence[int]
+        self, embeddings: ffi.Tensor, seq_ids: Sequence[int], lengths: Sequence[int]
     ) -> np.ndarray:
         """Append ragged chunks (concatenated in `embeddings` [sum(lengths), hidden]) to their
         sequences; returns the logits after each sequence's last token [len(seq_ids), vocab]."""
@@ -253,15 +301,15 @@ class Model:
     def _prefill(self, embeddings, seq_ids, lengths) -> np.ndarray:
         hidden = self.config.hidden_size
         positions = np.cumsum(lengths, dtype=np.int32) - 1
-        x = embeddings._create_view((1, int(sum(lengths)), hidden))
+        x = ffi.view(embeddings, (1, int(sum(lengths)), hidden))
         out = self._forward(
-            abi.BATCH_PREFILL, [x, tvm.runtime.tensor(positions, self.device)], seq_ids, lengths
+            abi.BATCH_PREFILL, [x, ffi.from_numpy(positions, self.device)], seq_ids, lengths
         )
-        return out[0].numpy()[0]
+        return ffi.as_numpy(out[0])[0]
 
     def _prefill_windowed(self, embeddings, seq_ids, lengths, window) -> np.ndarray:
         """Whole chunks until a sequence reaches the window, then one token per step."""
-        emb = embeddings.numpy()
+        emb = ffi.as_numpy(embeddings)
         starts = np.concatenate([[0], np.cumsum(lengths)])
         logits = np.zeros((len(seq_ids), self.vocab_size), np.float32)
         todo = {i: (int(starts[i]), int(starts[i + 1])) for i in range(len(seq_ids))}
@@ -273,7 +321,7 @@ class Model:
                 batch.append((i, take))
                 rows.append(emb[begin : begin + take])
             out = self._prefill(
-                tvm.runtime.tensor(np.concatenate(rows), self.device),
+                ffi.from_numpy(np.concatenate(rows), self.device),
                 [seq_ids[i] for i, _ in batch],
                 [n for _, n in batch],
             )
@@ -286,13 +334,13 @@ class Model:
                     todo[i] = (begin + take, end)
         return logits
 
-    def batch_decode(self, embeddings: tvm.runtime.Tensor, seq_ids: Sequence[int]) -> np.ndarray:
+    def batch_decode(self, embeddings: ffi.Tensor, seq_ids: Sequence[int]) -> np.ndarray:
         """One new token per sequence ([len(seq_ids), hidden]) -> logits [len(seq_ids), vocab]."""
         lengths = [1] * len(seq_ids)
         self._check_batch(seq_ids, lengths, embeddings)
-        x = embeddings._create_view((len(seq_ids), 1, self.config.hidden_size))
+        x = ffi.view(embeddings, (len(seq_ids), 1, self.config.hidden_size))
         out = self._forward(abi.BATCH_DECODE, [x], seq_ids, lengths)
-        return out[0].numpy()[:, 0]
+        return ffi.as_numpy(out[0])[:, 0]
 
     def set_vm_instrument(self, instrument) -> None:
         """Call `instrument(func, name, before, ret, *args)` around every VM call (None: stop);
@@ -301,7 +349,7 @@ class Model:
 
     def batch_verify(
         self,
-        embeddings: tvm.runtime.Tensor,
+        embeddings: ffi.Tensor,
         seq_ids: Sequence[int],
         lengths: Sequence[int],
         token_tree_parent_ptr: Sequence[int],
@@ -319,13 +367,13 @@ class Model:
         rows = None
         if order != sorted(order):
             rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in order])
-            embeddings = tvm.runtime.tensor(embeddings.numpy()[rows], self.device)
+            embeddings = ffi.from_numpy(ffi.as_numpy(embeddings)[rows], self.device)
             parents = [parents[r] for r in rows]
-        x = embeddings._create_view((1, int(sum(lengths)), self.config.hidden_size))
+        x = ffi.view(embeddings, (1, int(sum(lengths)), self.config.hidden_size))
         seq_order, length_order = [seq_ids[i] for i in order], [lengths[i] for i in order]
         out = self._forward(abi.BATCH_VERIFY, [x], seq_order, length_order, parents)
         self._trees = dict(zip(seq_ids, trees, strict=True))  # parent pointers, for commit
-        logits = out[0].numpy()[0]
+        logits = ffi.as_numpy(out[0])[0]
         if rows is not None:
             logits[rows] = logits.copy()  # back to the caller's order
         return logits
@@ -336,9 +384,9 @@ class Model:
         latter also when the forward fails, so that the cache takes the next one)."""
         if self._trees:
             raise MlcrunError("commit the last batch_verify before the next forward")
-        shape = [ShapeTuple(list(seq_ids)), ShapeTuple(list(lengths))]
+        shape = [ffi.shape(seq_ids), ffi.shape(lengths)]
         if parents is not None:
-            shape.append(ShapeTuple(parents))
+            shape.append(ffi.Shape(parents))
         _call(abi.KV_BEGIN_FORWARD, self.kv, *shape)
         try:
             out = self._f[name](*inputs, self.kv, self._params)
@@ -350,11 +398,7 @@ class Model:
         return out
 
     def _exists(self, seq_id: int) -> bool:
-        try:
-            self.sequence_length(seq_id)
-        except MlcrunError:
-            return False
-        return True
+        return seq_id in self._seq_ids
 
     def _check(self, seq_id: int) -> None:
         self.sequence_length(seq_id)  # raises naming the sequence when it is not there
@@ -375,4 +419,4 @@ class Model:
 
 
 def _call(name: str, *args):
-    return tvm.get_global_func(name)(*args)
+    return ffi.global_func(name)(*args)

@@ -30,9 +30,7 @@ class Checkpoint:
 def open_checkpoint(model: str) -> Checkpoint:
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        from .gguf_source import GGUFSource
-
-        return Checkpoint(_materialized(path), lambda: GGUFSource(path), (path,))
+        return Checkpoint(_materialized(path), lambda: _gguf_source(path), (path,))
     if path.is_file():
         raise MlcrunError(f"{model}: expected a checkpoint folder or a .gguf file")
     folder = resolve_checkpoint(model)
@@ -42,14 +40,20 @@ def open_checkpoint(model: str) -> Checkpoint:
     return Checkpoint(folder, lambda: SafetensorsSource(folder), files)
 
 
-def _materialized(gguf: Path) -> Path:
-    from .gguf_source import materialize_gguf
+def _gguf_source(path: Path) -> TensorSource:
+    from .gguf_source import GGUFSource  # imported when a compile reads the tensors
 
+    return GGUFSource(path)
+
+
+def _materialized(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     folder = mlcrun_home() / "gguf" / f"{gguf.stem[:48]}-{key.hexdigest()[:12]}"
     if (folder / "config.json").exists():
         return folder
+    from .gguf_source import materialize_gguf  # (the gguf package: 0.1 s to import)
+
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:

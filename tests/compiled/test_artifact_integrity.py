@@ -173,3 +173,38 @@ def test_library_function_lookup(artifacts):
     lib = tvm.runtime.load_module(str(library(folder)))
     vm = relax.VirtualMachine(lib, tvm.cpu())
     assert _has(vm, abi.EMBED) and not _has(vm, "no_such_function")
+
+
+def test_a_checked_cache_entry_is_used_without_importing_tvm(checkpoints, tmp_path):
+    """Once an entry passed the full up-to-date check (which needs the compiler), later runs
+    take it on its stamp without importing TVM's compiler; a stamp of other inputs is
+    ignored and the full check runs again."""
+    env = {"MLCRUN_HOME": str(tmp_path / "home")}
+    source = str(checkpoints("llama"))
+    code = (
+        "import sys; from mlcrun.default_model import resolve_artifact; "
+        f"print(resolve_artifact({source!r}), 'tvm' in sys.modules)"
+    )
+
+    def resolve() -> list[str]:
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, **env},
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split()
+
+    folder, imported = resolve()  # compiles
+    assert imported == "True"
+    assert resolve() == [folder, "False"]
+    stamp = Path(folder) / ".mlcrun-checked.json"
+    data = json.loads(stamp.read_text())
+    stamp.write_text(json.dumps({**data, "key": "0" * 64}))  # e.g. another CPU or TVM
+    library_before = (Path(folder) / "lib").stat().st_mtime_ns
+    assert resolve() == [folder, "True"]  # checked in full: up to date, not recompiled
+    assert (Path(folder) / "lib").stat().st_mtime_ns == library_before
+    assert json.loads(stamp.read_text()) == data
+    assert resolve() == [folder, "False"]
