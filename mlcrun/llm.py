@@ -85,7 +85,7 @@ class LLM:
         """Generate for every prompt (text or token ids), all batched together. Returns one
         output per prompt (per prompt and choice, in order, when n > 1)."""
         outputs: dict[str, list[RequestOutput]] = {}
-        order = self._submit(prompts, sampling_params)
+        order = self._submit(prompts, sampling_params, stream=False)
         for out in self._drain(order):
             if out.finished:
                 outputs.setdefault(out.request_id, []).append(out)
@@ -112,8 +112,9 @@ class LLM:
         """Outputs as they are produced: `delta_text` / `delta_token_ids` hold what is new."""
         yield from self._drain(self._submit(prompts, sampling_params))
 
-    def _submit(self, prompts, sampling_params) -> dict[str, int]:
-        """Add the prompts as engine requests; returns request id -> number of choices."""
+    def _submit(self, prompts, sampling_params, stream: bool = True) -> dict[str, int]:
+        """Add the prompts as engine requests; returns request id -> number of choices.
+        stream=False: the engine hands out only their final outputs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         encoded = [self._encode(p) for p in prompts]
@@ -130,7 +131,7 @@ class LLM:
         ids = {}
         for prompt, params in zip(encoded, sampling_params):
             rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, params)
+            self.engine.add_request(rid, prompt, params, stream=stream)
             ids[rid] = params.n
         return ids
 

@@ -57,7 +57,10 @@ class EngineStats:
     verify_seconds: float = 0.0
 
     def snapshot(self) -> EngineStats:
-        return replace(self, step_sizes=dict(self.step_sizes))
+        copy = object.__new__(EngineStats)  # what replace() gives, without re-running __init__
+        copy.__dict__.update(self.__dict__)
+        copy.step_sizes = dict(self.step_sizes)
+        return copy
 
 
 class Engine:
@@ -181,7 +184,11 @@ class Engine:
         prompt: Sequence[int],
         params: SamplingParams,
         constraint: Callable[[], TokenConstraint] | None = None,  # one per choice: a grammar
+        *,
+        stream: bool = True,
     ) -> None:
+        """`stream`: step() returns this request's outputs as it progresses (else only its
+        final one, which spares building a cumulative output every step)."""
         if request_id in self.requests:
             raise MlcrunError(f"request_id {request_id!r} is already in use")
         prompt = self.check_request(prompt, params)
@@ -194,7 +201,7 @@ class Engine:
             req.constraint = constraint() if constraint is not None else None
             req.fork_from = group[0] if group else None
             decoder = self.decoder_factory(prompt) if self.decoder_factory else None
-            self._streams[req] = OutputStream(req, decoder)
+            self._streams[req] = OutputStream(req, decoder, stream=stream)
             group.append(req)
             self.scheduler.add(req)
         self.requests[request_id] = group
@@ -221,33 +228,43 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, post-process; returns an output for every request that progressed."""
+        """Schedule, run, post-process; returns an output for every request that progressed
+        (that finished, for requests added with stream=False)."""
         plan = self.scheduler.schedule()
         ready: list[tuple[Request, np.ndarray]] = []  # requests with logits to sample
+        matrix = None  # the rows of `ready` as one array, when they are (no copy to stack)
         if plan.decode and not (self.spec and self.spec.step(plan.decode, plan.drafts)):
-            ready += self._run_decode(plan.decode)
+            ready, matrix = self._run_decode(plan.decode)
         if plan.prefill:
-            ready += self._run_prefill(plan.prefill)
-        self._sample(ready)
+            prefilled = self._run_prefill(plan.prefill)
+            if prefilled:
+                ready, matrix = ready + prefilled, None
+        self._sample(ready, logits=matrix)
         touched = [*plan.decode, *(r for r, _ in plan.prefill), *plan.finished]
-        self.stats.step_sizes[len(touched)] = self.stats.step_sizes.get(len(touched), 0) + 1
-        outputs = [out for req in dict.fromkeys(touched) if (out := self._output(req))]
+        sizes = self.stats.step_sizes
+        sizes[len(touched)] = sizes.get(len(touched), 0) + 1
+        if len(touched) > 1:
+            touched = list(dict.fromkeys(touched))
+        outputs = [out for req in touched if (out := self._output(req))]
         self._update_stats()
         return outputs
 
     # ------------------------------------------------------------------ run
-    def _run_decode(self, batch: list[Request]) -> list[tuple[Request, np.ndarray]]:
+    def _run_decode(
+        self, batch: list[Request]
+    ) -> tuple[list[tuple[Request, np.ndarray]], np.ndarray | None]:
+        """(request, its logits row) for each request, and the rows as one [b, vocab] array."""
         tokens = [r.tokens[r.num_computed] for r in batch]  # each one's single pending token
         seq_ids = [r.seq_id for r in batch]
         logits = self._forward(
             batch, lambda: self.runner.batch_decode(self._embed(tokens), seq_ids)
         )
         if logits is None:
-            return []
+            return [], None
         self.stats.decode_tokens += len(batch)
         for req in batch:
             req.num_computed += 1
-        return list(zip(batch, logits))
+        return list(zip(batch, logits)), logits
 
     def _run_prefill(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, np.ndarray]]:
         batch = [r for r, _ in plan]
@@ -297,12 +314,14 @@ class Engine:
         ready: list[tuple[Request, np.ndarray]],
         drafts: list[tuple[list[int], np.ndarray | None] | None] | None = None,
         now: float | None = None,
+        logits: np.ndarray | None = None,
     ) -> dict[Request, int | None]:
         """Sample the next token of every ready request, in one batch, and append it; a
         request whose own sampling fails (its grammar, its text) fails alone. drafts[i]: the
         candidates drafted for ready[i]'s position (sample_batch's rule keeps the
         distribution). Returns, per request that got a token, which candidate it is (None:
-        a fresh draw). `now`: the step's time, shared by the tokens of one step."""
+        a fresh draw). `now`: the step's time, shared by the tokens of one step. `logits`:
+        the rows of `ready`, in order, as one array (else they are stacked here)."""
         self._step_time = time.perf_counter() if now is None else now
         batch, rows, masks, candidates = [], [], [], []
         for i, (req, row) in enumerate(ready):
@@ -316,8 +335,10 @@ class Engine:
             candidates.append(drafts[i] if drafts is not None else None)
         if not batch:
             return {}
+        if logits is None or len(batch) != len(ready):
+            logits = rows[0][None] if len(rows) == 1 else np.stack(rows)
         results = sample_batch(
-            np.stack(rows),
+            logits,
             [r.params for r in batch],
             [r.sampler for r in batch],
             masks if any(m is not None for m in masks) else None,
@@ -347,6 +368,8 @@ class Engine:
     def _mask(self, req: Request) -> np.ndarray | None:
         """The allowed tokens: the request's grammar, and min_tokens (stops masked until
         then); None when every token is allowed."""
+        if req.constraint is None and req.params.min_tokens == 0:
+            return None
         vocab = self.runner.vocab_size
         mask = None if req.constraint is None else np.asarray(req.constraint.allowed(vocab))
         if req.num_output < req.params.min_tokens:
@@ -408,7 +431,10 @@ class Engine:
             if all(r.finished for r in group):
                 self.requests.pop(req.request_id, None)
             return self._retire(req)
-        out = self._streams[req].take(req)
+        stream = self._streams[req]
+        if not stream.streaming:
+            return None
+        out = stream.take(req)
         return out if out.delta_token_ids or out.delta_text else None
 
     def _retire(self, req: Request) -> RequestOutput:

@@ -15,7 +15,8 @@ class OutputStream:
     """Detokenizes incrementally (never splitting UTF-8: that is the decoder's job), cuts the
     text at the first stop string, which may straddle tokens, and records timings."""
 
-    def __init__(self, req: Request, decoder: Any = None) -> None:
+    def __init__(self, req: Request, decoder: Any = None, stream: bool = True) -> None:
+        self.streaming = stream  # the caller takes outputs as they come (else the final one)
         self.metrics = RequestMetrics(prompt_tokens=len(req.prompt))
         self.logprobs: list[dict[int, float]] | None = (
             [] if req.params.logprobs is not None else None

@@ -103,6 +103,8 @@ def sample_batch(
     lossless acceptance rule (spec/accept.py), so it still has exactly the distribution plain
     sampling draws from, and SampleResult.accepted says which candidate it is.
     """
+    if allowed is None and drafts is None and all(map(_plain_greedy, params)):
+        return _greedy(logits, params, states)  # the common case, without the machinery
     from .spec.accept import accept_greedy, accept_sampled  # (spec imports this module)
 
     x, errors = _process(logits, params, states, allowed)  # [B, V] float32
@@ -155,22 +157,36 @@ def probabilities(
 
 def draw(weights: np.ndarray, rng: np.random.Generator) -> int:
     """One index drawn in proportion to non-negative weights [V] (need not sum to 1)."""
-    starts = np.arange(0, weights.size, _DRAW_BLOCK)
+    starts = _block_starts(weights.size)
     block_mass = np.add.reduceat(weights, starts, dtype=np.float64)  # [num_blocks]
-    cdf = np.cumsum(block_mass)
-    if not cdf[-1] > 0:
+    cdf = block_mass.cumsum()
+    total = float(cdf[-1])
+    if not total > 0:
         raise MlcrunError("cannot sample: every token has probability zero")
-    target = rng.random() * cdf[-1]
+    target = rng.random() * total
     # The first block whose cdf exceeds target has mass; rounding may push past the end.
-    b = min(int(np.searchsorted(cdf, target, side="right")), cdf.size - 1)
+    b = min(int(cdf.searchsorted(target, side="right")), cdf.size - 1)
     while block_mass[b] == 0:
         b -= 1
     target -= cdf[b - 1] if b else 0.0
-    block = weights[starts[b] : starts[b] + _DRAW_BLOCK]
-    j = int(np.searchsorted(np.cumsum(block, dtype=np.float64), target, side="right"))
+    begin = b * _DRAW_BLOCK
+    block = weights[begin : begin + _DRAW_BLOCK]
+    j = int(block.cumsum(dtype=np.float64).searchsorted(target, side="right"))
     if j >= block.size:  # rounding again: take the block's last token that has weight
         j = int(np.flatnonzero(block)[-1])
-    return int(starts[b]) + j
+    return begin + j
+
+
+_starts: dict[int, np.ndarray] = {}
+
+
+def _block_starts(size: int) -> np.ndarray:
+    """np.arange(0, size, _DRAW_BLOCK), made once per vocabulary size."""
+    starts = _starts.get(size)
+    if starts is None:
+        starts = _starts[size] = np.arange(0, size, _DRAW_BLOCK)
+        starts.flags.writeable = False
+    return starts
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -200,14 +216,7 @@ def processed_logits(
 def _process(logits, params, states, allowed) -> tuple[np.ndarray, dict[int, str]]:
     """processed_logits, with the rows that failed (row -> message) instead of raising."""
     x = np.asarray(logits, dtype=np.float32)
-    if x.ndim != 2:
-        raise MlcrunError(f"logits must be [batch, vocab], got shape {x.shape}")
-    if len(params) != x.shape[0] or len(states) != x.shape[0]:
-        raise MlcrunError(
-            f"{x.shape[0]} rows of logits for {len(params)} params and {len(states)} states"
-        )
-    if allowed is not None and len(allowed) != x.shape[0]:
-        raise MlcrunError(f"{x.shape[0]} rows of logits for {len(allowed)} allowed masks")
+    _check_shapes(x, params, states, allowed)
     copied, errors = False, {}
     for i, p in enumerate(params):
         mask = None if allowed is None else allowed[i]
@@ -237,9 +246,47 @@ def check_vocab(params: SamplingParams, vocab_size: int) -> None:
 # -- internals --------------------------------------------------------------------------------
 
 
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy, and nothing to do before the argmax or after it."""
+    return (
+        p.temperature == 0
+        and p.logprobs is None
+        and not p.logit_bias
+        and p.repetition_penalty == 1
+        and not p.frequency_penalty
+        and not p.presence_penalty
+    )
+
+
+def _greedy(logits, params, states) -> list[SampleResult]:
+    """sample_batch for rows that are all _plain_greedy (no mask, no drafts): the argmax of
+    each row, with the same checks and the same results as the general path."""
+    x = np.asarray(logits, dtype=np.float32)  # as _process: the argmax of the float32 values
+    _check_shapes(x, params, states, None)
+    nan = float("nan")
+    return [SampleResult(t, nan, None) for t in x.argmax(axis=1).tolist()]
+
+
+def _check_shapes(x: np.ndarray, params, states, allowed) -> None:
+    if x.ndim != 2:
+        raise MlcrunError(f"logits must be [batch, vocab], got shape {x.shape}")
+    if len(params) != x.shape[0] or len(states) != x.shape[0]:
+        raise MlcrunError(
+            f"{x.shape[0]} rows of logits for {len(params)} params and {len(states)} states"
+        )
+    if allowed is not None and len(allowed) != x.shape[0]:
+        raise MlcrunError(f"{x.shape[0]} rows of logits for {len(allowed)} allowed masks")
+
+
 def _split(params: Sequence[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
     """(greedy row indices, sampled row indices)."""
-    is_greedy = np.array([p.temperature == 0 for p in params], dtype=bool)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    if len(greedy) == len(params):
+        return np.arange(len(params)), np.empty(0, np.int64)
+    if not greedy:
+        return np.empty(0, np.int64), np.arange(len(params))
+    is_greedy = np.zeros(len(params), dtype=bool)
+    is_greedy[greedy] = True
     return np.flatnonzero(is_greedy), np.flatnonzero(~is_greedy)
 
 
@@ -284,21 +331,19 @@ def _filtered_weights(x: np.ndarray, params: Sequence[SamplingParams]) -> np.nda
     x [S, V] is not modified. The top token always keeps weight exactly 1.
     """
     num_rows, vocab = x.shape
-    with np.errstate(over="ignore"):  # a difference beyond float32 is -inf: weight 0
-        weights = x - x.max(axis=1, keepdims=True)
     # Clamped to float32's finite range: a tiny temperature gives 0 * big = 0 for the top
     # token (not 0 * inf), a huge one keeps -inf * small = -inf for masked tokens (not NaN).
-    inv_temp = np.array(
-        [min(max(1.0 / p.temperature, _FLOAT32_TINY), _FLOAT32_MAX) for p in params], np.float32
-    )
-    if np.any(inv_temp != 1):
-        with np.errstate(over="ignore"):  # to -inf, which exp makes 0
-            weights *= inv_temp[:, None]
+    inv_temp = [min(max(1.0 / p.temperature, _FLOAT32_TINY), _FLOAT32_MAX) for p in params]
+    with np.errstate(over="ignore"):
+        # A difference beyond float32 is -inf (weight 0); so is a product beyond it.
+        weights = x - x.max(axis=1, keepdims=True)
+        if any(np.float32(t) != 1 for t in inv_temp):
+            weights *= np.array(inv_temp, np.float32)[:, None]
     np.exp(weights, out=weights)
 
     # top-k: drop logits below the k-th largest (ties with it stay), grouped by k.
     top_k = np.array([p.top_k for p in params])
-    for k in np.unique(top_k[(top_k > 0) & (top_k < vocab)]):
+    for k in np.unique(top_k[(top_k > 0) & (top_k < vocab)]) if top_k.any() else ():
         rows = np.flatnonzero(top_k == k)
         sub = _rows(x, rows)
         kth = np.partition(sub, vocab - k, axis=1)[:, vocab - k]  # [rows]
@@ -312,6 +357,8 @@ def _filtered_weights(x: np.ndarray, params: Sequence[SamplingParams]) -> np.nda
         if p.top_p < 1:
             _top_p_row(weights[i], p.top_p)
 
+    if not any(p.min_p > 0 for p in params):
+        return weights
     min_p = np.array([p.min_p for p in params], dtype=np.float32)
     rows = np.flatnonzero(min_p > 0)
     if rows.size:
@@ -387,6 +434,9 @@ def _top_logprobs(row: np.ndarray, lse: float, chosen: int, n: int) -> dict[int,
 
 def _results(raw: np.ndarray, params, tokens: np.ndarray, errors) -> list[SampleResult]:
     """SampleResults, with logprobs from the raw logits [B, V] for the rows that ask."""
+    if not errors and all(p.logprobs is None for p in params):
+        nan = float("nan")
+        return [SampleResult(t, nan, None) for t in tokens.tolist()]
     wanted = np.array(
         [p.logprobs is not None and i not in errors for i, p in enumerate(params)], dtype=bool
     )
