@@ -1,6 +1,10 @@
 """`mlcrun bench --url`: a serving workload against any OpenAI-compatible server (mlcrun serve,
 llama.cpp's llama-server, vLLM) over HTTP, timed from the client side.
 
+Before each run the server is asked to drop its prefix cache (`reset_prefix_cache`), so that one
+concurrency level cannot reuse the prompts of the one before; the CLI also sends fresh synthetic
+prompts at every level (`workload.reseeded`), which covers servers without that endpoint.
+
 Each request is a streamed /v1/completions call sent at its arrival time, with at most
 `concurrency` in flight. Each chunk that carries text is one entry of `chunk_times` (text-less
 chunks, such as a bare finish or the usage, are not); the final usage chunk, when the server
@@ -90,6 +94,19 @@ def resolve_model(url: str, model: str | None, api_key: str | None, timeout: flo
     if not ids:
         raise MlcrunError(f"{root} serves no models")
     return ids[0]
+
+
+def reset_prefix_cache(url: str, api_key: str | None, timeout: float) -> str:
+    """Ask the server to drop its prefix cache (`POST /reset_prefix_cache`: mlcrun serve, and
+    vLLM in dev mode). "reset" when it did, else why not ("HTTP 404", "connection refused"):
+    servers without the endpoint are benchmarked all the same."""
+    try:
+        r = httpx.post(
+            f"{base_url(url)}/reset_prefix_cache", headers=_headers(api_key), timeout=timeout
+        )
+    except (httpx.HTTPError, httpx.InvalidURL) as err:
+        return _reason(err)
+    return "reset" if r.status_code == 200 else f"HTTP {r.status_code}"
 
 
 async def run_requests(

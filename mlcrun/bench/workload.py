@@ -76,6 +76,25 @@ def synthetic(
     ]
 
 
+def reseeded(
+    requests: list[BenchRequest], vocab_size: int, seed: int, run: int
+) -> list[BenchRequest]:
+    """The workload for the `run`-th run of a sweep (0, 1, ...): run 0 is `requests` as is;
+    later runs get fresh random token ids (seeded by `seed` and `run`) of the same lengths, with
+    the same output lengths and arrivals, so that no prompt of an earlier run is sent again and
+    a server's prefix cache cannot serve a later concurrency level from an earlier one's
+    prompts. Text prompts (datasets) are kept: they cannot be redrawn."""
+    if run == 0:
+        return list(requests)
+    rng = np.random.default_rng([seed, run])
+    return [
+        replace(r, prompt=rng.integers(FIRST_TOKEN_ID, vocab_size, size=r.prompt_len).tolist())
+        if isinstance(r.prompt, list)
+        else r
+        for r in requests
+    ]
+
+
 def _jsonl_items(text: str, path: Path) -> Iterator[tuple[int, object]]:
     """(line number, value) of each non-empty line."""
     for number, line in enumerate(text.split("\n"), start=1):

@@ -226,7 +226,7 @@ def _kernel(model, args, threads, device, quantization, command) -> dict:
 
 def _serve_sim(model, workload, run, where, device, quantization, command) -> dict:
     from ..bench import metrics, report
-    from ..bench.workload import load_dataset, parse_len, synthetic, with_arrivals
+    from ..bench.workload import load_dataset, parse_len, reseeded, synthetic, with_arrivals
     from ..tokenizer import Tokenizer
 
     num_prompts, input_len, output_len, dataset, seed = workload
@@ -238,13 +238,13 @@ def _serve_sim(model, workload, run, where, device, quantization, command) -> di
     from .. import artifact
 
     art = artifact.read(folder)
+    vocab = int(art.model["vocab_size"])
     if dataset is not None:
         tokenizer = Tokenizer.from_dir(folder)
         requests = load_dataset(
             dataset, num_prompts, lambda text: len(tokenizer.encode(text)), out_span, seed
         )
     else:
-        vocab = int(art.model["vocab_size"])
         requests = synthetic(num_prompts, in_span, out_span or (128, 128), vocab, seed)
     requests = with_arrivals(requests, run["rate"], seed)
     longest = max(r.prompt_len + r.output_len for r in requests)
@@ -256,12 +256,16 @@ def _serve_sim(model, workload, run, where, device, quantization, command) -> di
     info = _model_info(folder, model)
     runner = _url_runner(where, info) if where["url"] else _offline_runner(folder, run)
     runs = []
-    for level in run["levels"]:
-        bar, total = _progress(len(requests), f"concurrency {level}")
+    for i, level in enumerate(run["levels"]):
+        # Each level starts with an empty prefix cache (the runner resets it) and, for synthetic
+        # workloads, its own prompts: the same lengths, fresh token ids, so that a server whose
+        # cache cannot be reset still cannot serve a level from an earlier level's prompts.
+        level_requests = requests if dataset is not None else reseeded(requests, vocab, seed, i)
+        bar, total = _progress(len(level_requests), f"concurrency {level}")
         with bar:
             task = bar.add_task("", total=total)
             advance = lambda _, bar=bar, task=task: bar.advance(task)  # noqa: E731
-            records, duration, counters = runner(requests, level, advance)
+            records, duration, counters = runner(level_requests, level, advance)
         runs.append(
             {
                 "concurrency": level,
@@ -279,6 +283,7 @@ def _serve_sim(model, workload, run, where, device, quantization, command) -> di
         "seed": seed,
         "threads": run["threads"],
         "prefix_cache": run["prefix_cache"],
+        "fresh_prompts_per_level": dataset is None,
         "url": where["url"],
         "speculation": run["spec"],
     }
@@ -306,12 +311,19 @@ def _offline_runner(folder: Path, run: dict):
 
 
 def _url_runner(where: dict, info: dict):
-    from ..bench.client import base_url, resolve_model, run_url
+    from ..bench.client import base_url, reset_prefix_cache, resolve_model, run_url
 
     served = resolve_model(where["url"], where["served_model"], where["api_key"], timeout=10)
     info.update(name=served, url=base_url(where["url"]))
 
     def runner(requests, level, on_done):
+        # each level starts cold, as offline; "HTTP 404" etc. when the server cannot
+        reset = reset_prefix_cache(where["url"], where["api_key"], timeout=10)
+        if reset != "reset":
+            err_console.print(
+                f"concurrency {level}: the server did not reset its prefix cache ({reset})",
+                highlight=False,
+            )
         records, duration, _ = run_url(
             where["url"],
             requests,
@@ -320,6 +332,6 @@ def _url_runner(where: dict, info: dict):
             api_key=where["api_key"],
             on_done=on_done,
         )
-        return records, duration, {}
+        return records, duration, {"prefix_cache_reset": reset}
 
     return runner

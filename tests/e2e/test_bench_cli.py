@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -87,6 +89,88 @@ def test_serve_sim_offline_and_over_http_send_the_same_tokens(artifacts, server,
     assert summary["output_throughput"] == pytest.approx(
         summary["total_output_tokens"] / summary["duration_s"]
     )
+
+
+def test_every_level_over_http_starts_with_a_reset_cache(artifacts, server, tmp_path):
+    """Against the real server: each level resets the prefix cache and sends fresh prompts, so
+    no prompt token of a later level is served from the cache."""
+    doc = serve_sim(artifacts("llama"), tmp_path, "levels", "--url", server.base_url)
+    assert doc["config"]["fresh_prompts_per_level"] is True
+    for run in doc["runs"]:
+        assert run["engine"]["prefix_cache_reset"] == "reset"
+        assert run["summary"]["prefix_cache_hit_rate"] == 0
+        assert all(s["cached_tokens"] == 0 for s in run["samples"])
+
+
+class _RecordingServer(BaseHTTPRequestHandler):
+    """A minimal OpenAI completions server that records what it is sent: every prompt, and
+    each /reset_prefix_cache call (answered 404 when `resets` is None)."""
+
+    prompts: list = []
+    resets: list | None = []
+
+    def do_GET(self):
+        self._reply(200, b'{"data": [{"id": "fake"}]}', "application/json")
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/reset_prefix_cache":
+            if self.resets is None:
+                return self._reply(404, b'{"detail": "Not Found"}', "application/json")
+            self.resets.append(len(self.prompts))  # how many prompts came before the reset
+            return self._reply(200, b'{"dropped": 0}', "application/json")
+        request = json.loads(body)
+        self.prompts.append(request["prompt"])
+        chunks = [{"choices": [{"index": 0, "text": "x"}]}] * request["max_tokens"]
+        chunks.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+        usage = {
+            "prompt_tokens": len(request["prompt"]),
+            "completion_tokens": request["max_tokens"],
+        }
+        chunks.append({"choices": [], "usage": usage})
+        stream = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+        self._reply(200, stream + b"data: [DONE]\n\n", "text/event-stream")
+
+    def _reply(self, status: int, body: bytes, kind: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("can_reset", [True, False])
+def test_later_levels_never_resend_earlier_prompts(artifacts, tmp_path, can_reset):
+    """What a server receives over a 1,3 sweep: each level its own prompts (same lengths, no
+    prompt of the first level again), and a reset before each level when it has the endpoint;
+    a server without it (404) is benchmarked all the same, the run saying so."""
+    handler = type(
+        "Handler", (_RecordingServer,), {"prompts": [], "resets": [] if can_reset else None}
+    )
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        doc = serve_sim(artifacts("llama"), tmp_path, "fake", "--url", url)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    first = [s["prompt_len"] for s in doc["runs"][0]["samples"]]
+    n = len(first)
+    sent = handler.prompts
+    assert len(sent) == 2 * n
+    levels = [sent[:n], sent[n:]]  # concurrency 1 finishes before concurrency 3 starts
+    assert sorted(map(len, levels[0])) == sorted(map(len, levels[1])) == sorted(first)
+    assert not {tuple(p) for p in levels[0]} & {tuple(p) for p in levels[1]}
+    assert all(isinstance(t, int) for p in sent for t in p)
+    status = [run["engine"]["prefix_cache_reset"] for run in doc["runs"]]
+    if can_reset:
+        assert handler.resets == [0, n] and status == ["reset", "reset"]
+    else:
+        assert status == ["HTTP 404", "HTTP 404"]
 
 
 def test_serve_sim_dataset_and_plot(artifacts, tmp_path):

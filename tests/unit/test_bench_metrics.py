@@ -25,6 +25,7 @@ from mlcrun.bench.workload import (
     BenchRequest,
     load_dataset,
     parse_len,
+    reseeded,
     synthetic,
     with_arrivals,
 )
@@ -138,6 +139,23 @@ def test_synthetic_is_seeded_and_in_range():
     assert min(ids) == 3 and max(ids) == 49 and all(type(t) is int for t in ids)
     fixed = synthetic(3, (16, 16), (8, 8), vocab_size=1000)
     assert all((r.prompt_len, r.output_len, r.arrival) == (16, 8, 0.0) for r in fixed)
+
+
+def test_reseeded_keeps_the_shape_and_draws_new_tokens():
+    reqs = with_arrivals(synthetic(20, (4, 9), (2, 3), vocab_size=50, seed=7), 2.0, seed=7)
+    assert reseeded(reqs, 50, seed=7, run=0) == reqs
+    later = [reseeded(reqs, 50, seed=7, run=i) for i in (1, 2)]
+    assert later[0] == reseeded(reqs, 50, seed=7, run=1)  # seeded
+    for other in later:
+        shape = [(r.index, r.prompt_len, r.output_len, r.arrival) for r in other]
+        assert shape == [(r.index, r.prompt_len, r.output_len, r.arrival) for r in reqs]
+        assert all(len(r.prompt) == r.prompt_len for r in other)
+        assert all(3 <= t < 50 for r in other for t in r.prompt)
+    prompts = [{tuple(r.prompt) for r in run} for run in (reqs, *later)]
+    assert not prompts[0] & prompts[1] and not prompts[0] & prompts[2]
+    assert not prompts[1] & prompts[2]
+    text = [BenchRequest(0, "hello", 1, 4)]
+    assert reseeded(text, 50, seed=7, run=3) == text  # a dataset's text cannot be redrawn
 
 
 def test_synthetic_rejects_no_prompts():
