@@ -952,26 +952,27 @@ def paired_ratios(mine: list[dict], other: list[dict], key: str) -> list[float]:
     return out
 
 
-def tie_threshold(ratios: dict) -> dict:
-    """The model's tie threshold, from the measured spread: for every timed metric of every
+def tie_threshold(ratios: dict, keys: tuple[str, ...] = TIMED) -> dict:
+    """A model's tie threshold, from the measured spread: for every metric in `keys` of every
     mlcrun/llama.cpp pair with at least 2 paired rounds, the half-range of its per-round ratios
     relative to their median, (max - min) / 2 / median; the threshold is the median of those.
-    A ratio within it of 1 is a tie: a difference no larger than how much the same ratio
-    moves between rounds of this very run."""
+    A ratio within it of 1 is a tie: a difference no larger than how much the same kind of
+    ratio moves between rounds of this very run. The timed metrics share one threshold; peak
+    RSS, which does not move with the machine's load, gets its own (`keys=("peak_rss_mib",)`)."""
     halves = []
     for pair, ratio in ratios.items():
         if "llama.cpp" not in pair:
             continue
-        for key in TIMED:
+        for key in keys:
             r = (ratio.get("per_round") or {}).get(key)
             if r and len(r["rounds"]) >= 2 and r["median"]:
                 halves.append((r["max"] - r["min"]) / 2 / r["median"])
     return {
         "value": statistics.median(halves) if halves else None,
         "cells": len(halves),
-        "rule": "median over the timed metrics (decode, prefill, TTFT, throughput) of every "
-        "mlcrun/llama.cpp pair of the half-range of the per-round ratios relative to their "
-        "median",
+        "metrics": list(keys),
+        "rule": "median over these metrics of every mlcrun/llama.cpp pair of the half-range of "
+        "the per-round ratios relative to their median",
     }
 
 
@@ -1048,7 +1049,12 @@ def summarize(variants: list[Variant], bandwidth: list[dict]) -> dict:
             ratio["same_first_tokens"] = _common_prefix(r["first_tokens"], o["first_tokens"])
             ratio["per_round"] = per_round
             ratios[f"{fmt} mlcrun/{other}"] = ratio
-    return {"results": rows, "ratios": ratios, "tie_threshold": tie_threshold(ratios)}
+    return {
+        "results": rows,
+        "ratios": ratios,
+        "tie_threshold": tie_threshold(ratios),
+        "rss_tie_threshold": tie_threshold(ratios, ("peak_rss_mib",)),
+    }
 
 
 def _common_prefix(a: list[int] | None, b: list[int] | None) -> int | None:
@@ -1090,9 +1096,9 @@ def print_table(model: str, summary: dict, lengths: Lengths) -> None:
             print(f"{name:24}{cells}  {ratio['same_first_tokens']}")
             cells = "".join(f"{_range(ratio['per_round'].get(k)):>12}" for k, *_ in METRICS)
             print(f"{'  per-round range':24}{cells}")
-        tie = summary["tie_threshold"]["value"]
+        tie, rss = summary["tie_threshold"]["value"], summary["rss_tie_threshold"]["value"]
         if tie is not None:
-            print(f"tie threshold (measured spread): {100 * tie:.1f}%")
+            print(f"tie threshold (measured spread): {100 * tie:.1f}%, RSS {100 * rss:.2f}%")
     ksteps = [r for r in summary["results"] if r.get("kstep")]
     if ksteps:
         ks = list(ksteps[0]["kstep"]["prefill"])
