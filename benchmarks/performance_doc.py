@@ -10,7 +10,11 @@ The "Speculative decoding" section comes from benchmarks/results/speculative.jso
 
 Everything on the page comes from those files; the only hand-written parts are the
 explanations of known gaps below (`GAPS`, `SPEC_GAPS`), printed when the measured ratio says
-mlcrun is behind or a target is missed.
+mlcrun is behind by more than the model's measured tie threshold, or a target is missed. The
+explanations' figures are not typed in: `Facts` computes each from the JSON (bandwidth, bytes
+per token, tokens/s, RSS, llama.cpp's settings) or the stored kernel profile.
+
+    .venv/bin/python benchmarks/performance_doc.py --compare X.json --out /tmp/p.md  # elsewhere
 """
 
 from __future__ import annotations
@@ -31,59 +35,198 @@ COLUMNS = [  # (metric key, column title, format)
     ("peak_rss_mib", "peak RSS MiB", "{:.0f}"),
 ]
 
-TIE = 0.03  # ratios this close to 1 are ties: run-to-run noise on this VM is larger
+TIE = 0.03  # only for a compare.json without per-round ratios (written before they were kept)
 
-# Why mlcrun trails where it does (format, metric) -> the kernel or overhead responsible.
+GGML_TYPES = {0: "F32", 1: "F16", 8: "Q8_0"}  # llama.cpp KV cache types (settings.type_k)
+
+
+class Facts:
+    """The measured figures an explanation may quote, for one model of compare.json (and the
+    kernel profile): every number in the "behind" paragraphs comes from here."""
+
+    def __init__(self, doc: dict, model: dict, kernel: dict | None):
+        self.doc, self.model, self.kernel = doc, model, kernel
+        self.read_gbps = doc["bandwidth"]["median"].get("read_gbps")
+
+    def row(self, engine: str, fmt: str) -> dict | None:
+        return next(
+            (r for r in self.model["results"] if r["engine"] == engine and r["format"] == fmt),
+            None,
+        )
+
+    def med(self, engine: str, fmt: str, key: str) -> float | None:
+        return ((self.row(engine, fmt) or {}).get("median") or {}).get(key)
+
+    def gbps(self, engine: str, fmt: str) -> float | None:
+        """Weight bytes streamed per second while decoding at batch 1."""
+        r, tps = self.row(engine, fmt), self.med(engine, fmt, "decode_tps")
+        if not r or not tps or not r.get("weight_bytes_per_token"):
+            return None
+        return tps * r["weight_bytes_per_token"] / 1e9
+
+    def params(self) -> int | None:
+        """Parameters of the model: the F32 GGUF's tensor bytes / 4 (a tied embedding once)."""
+        r = self.row("llama.cpp", "F32") or self.row("mlcrun", "F32")
+        return r["weight_bytes_per_token"] // 4 if r and r.get("weight_bytes_per_token") else None
+
+    def bandwidth(self, fmt: str) -> str:
+        """How much of the measured read bandwidth each engine's decode streams."""
+        mine, theirs = self.gbps("mlcrun", fmt), self.gbps("llama.cpp", fmt)
+        if mine is None or not self.read_gbps:
+            return ""
+        mb = self.row("mlcrun", fmt)["weight_bytes_per_token"] / 1e6
+        text = (
+            f"At {fmt}, mlcrun's decode streams {mine:.1f} GB/s of weights "
+            f"({self.med('mlcrun', fmt, 'decode_tps'):.1f} tokens/s x {mb:.1f} MB per token) of "
+            f"the {self.read_gbps:.1f} GB/s read bandwidth measured in this run"
+        )
+        if theirs is not None:
+            theirs_mb = self.row("llama.cpp", fmt)["weight_bytes_per_token"] / 1e6
+            text += f", llama.cpp {theirs:.1f} GB/s ({theirs_mb:.1f} MB per token)"
+        share = mine / self.read_gbps
+        text += (
+            f": {100 * share:.0f}% of it, so the kernel is limited by its instructions, not "
+            "by memory."
+            if share < 0.6
+            else f": {100 * share:.0f}% of it, so memory bandwidth is what bounds it."
+        )
+        return text
+
+    def flops(self, fmt: str) -> str:
+        """Prefill as weight-matmul GFLOP/s (2 x parameters x tokens/s) for both engines."""
+        n = self.params()
+        mine, theirs = (
+            self.med("mlcrun", fmt, "prefill_tps"),
+            self.med("llama.cpp", fmt, "prefill_tps"),
+        )
+        if not n or not mine:
+            return ""
+        text = (
+            f"At {fmt}, mlcrun prefills {mine:.0f} tokens/s, {2 * n * mine / 1e9:.0f} GFLOP/s "
+            f"counted as 2 x {n / 1e6:.0f}M parameters x tokens/s"
+        )
+        if theirs:
+            text += f"; llama.cpp {theirs:.0f} tokens/s, {2 * n * theirs / 1e9:.0f} GFLOP/s"
+        return text + "."
+
+    def batching(self, fmt: str) -> str:
+        """Throughput at the run's concurrency over batch-1 decode, for both engines."""
+        n = self.doc["lengths"]["concurrency"]
+        parts = []
+        for engine in ("mlcrun", "llama.cpp"):
+            tput, dec = self.med(engine, fmt, "tput_tps"), self.med(engine, fmt, "decode_tps")
+            if tput and dec:
+                parts.append(f"{engine} {tput / dec:.1f}x")
+        if not parts:
+            return ""
+        return (
+            f"At {fmt}, {n} requests at once give " + ", ".join(parts) + " the batch-1 decode "
+            "rate (throughput includes each request's prefill)."
+        )
+
+    def rss(self, fmts: list[str]) -> str:
+        """Peak RSS above the weights' size on disk, mlcrun / llama.cpp, for each format."""
+        cells = []
+        for fmt in fmts:
+            over = []
+            for engine in ("mlcrun", "llama.cpp"):
+                r, rss = self.row(engine, fmt), self.med(engine, fmt, "peak_rss_mib")
+                over.append(
+                    f"{rss - r['size_mib']:.0f}" if r and rss and r.get("size_mib") else "—"
+                )
+            cells.append(f"{fmt} {' / '.join(over)} MiB")
+        return "Peak RSS above the weights on disk, mlcrun / llama.cpp: " + ", ".join(cells) + "."
+
+    def kv_types(self, fmt: str) -> str:
+        kind = ((self.row("llama.cpp", fmt) or {}).get("settings") or {}).get("type_k")
+        theirs = GGML_TYPES.get(kind, f"ggml type {kind}") if kind is not None else "—"
+        return f"mlcrun's KV cache is fp32, llama.cpp's {theirs} (its type_k in this run)"
+
+    def repacks(self, fmt: str) -> bool:
+        info = ((self.row("llama.cpp", fmt) or {}).get("settings") or {}).get("system_info") or ""
+        return "REPACK = 1" in info
+
+    def profile(self) -> str:
+        """The decode profile's split of a step (kernel.json), when there is one."""
+        prof = (self.kernel or {}).get("profile")
+        if not prof:
+            return ""
+        rows = prof["kernels"]
+        matmul = sum(k["share"] for k in rows if "matmul" in k["name"])
+        other = next((k for k in rows if k["name"] == "other"), None)
+        text = (
+            f"In the stored decode profile (the default model, "
+            f"{self.kernel['model']['quantization']}, batch {prof['batch']}, depth "
+            f"{prof['depth']}) the matmuls take {100 * matmul:.0f}% of a {prof['step_ms']:.2f} ms "
+            "step"
+        )
+        if other:
+            text += (
+                f" and {other['ms']:.2f} ms ({100 * other['share']:.0f}%) is outside the kernels "
+                "(`other`: the VM interpreter, embedding the input, copying the logits out)"
+            )
+        return text + "."
+
+
+def _each(fmts: list[str], fn) -> str:
+    return " ".join(t for t in (fn(f) for f in fmts) if t)
+
+
+# Why mlcrun trails where it does: (format, metric) -> fn(facts, formats) giving the kernel or
+# overhead responsible. Every figure is taken from the measurements (Facts), none typed in;
+# ("*", metric) is shared by the formats without their own entry and given once per model.
+def _q4_0_decode(f: Facts, fmts: list[str]) -> str:
+    repack = (
+        "llama.cpp repacks Q4_0 weights into interleaved blocks at load (`REPACK = 1` in its "
+        "system info) and multiplies them"
+        if f.repacks("Q4_0")
+        else "llama.cpp multiplies Q4_0 weights"
+    )
+    return (
+        f"{repack} with int8-quantized activations using AVX-512 VNNI integer dot products. "
+        "mlcrun's fused dequantize-GEMV (`dequantize_matmul*` in the profile) keeps the "
+        "activations in fp32 and the results exact, converting every weight to fp32 for an FMA. "
+        + f.bandwidth("Q4_0")
+        + " llama.cpp does not repack Q4_1, which is why the Q4_1 ratio differs."
+    )
+
+
 GAPS = {
-    ("Q4_0", "decode_tps"): (
-        "llama.cpp repacks Q4_0 weights into interleaved blocks at load and multiplies them with "
-        "int8-quantized activations using AVX-512 VNNI integer dot products (64 multiply-adds "
-        "per instruction). mlcrun's fused dequantize-GEMV (`dequantize_matmul*` in the profile) "
-        "keeps the activations in fp32 and the results exact: per 16 weights it issues a "
-        "permute, a shift, a mask, an int-to-float convert and two FMAs, and at 2 threads it is "
-        "bound by the vector FP pipes (about 3 FP operations per 16 weights), not by memory "
-        "(it reads ~20 GB/s of the ~50 available). Its Q4_1 path has no such repacking, which "
-        "is why the Q4_1 ratio is different."
+    ("Q4_0", "decode_tps"): _q4_0_decode,
+    ("Q4_1", "decode_tps"): lambda f, fmts: (
+        "Same kernel as Q4_0: the fp32 dequantize-GEMV, against llama.cpp's Q4_1 x Q8_1 integer "
+        "dot products. " + f.bandwidth("Q4_1")
     ),
-    ("Q4_1", "decode_tps"): (
-        "Same kernel as Q4_0 above: the fp32 dequantize-GEMV is compute-bound (vector FP pipes), "
-        "while llama.cpp's Q4_1 x Q8_1 dot products run on integer units."
+    ("Q4_0", "prefill_tps"): lambda f, fmts: (
+        "Prefill runs the dequantize-then-GEMM kernels in fp32; llama.cpp's Q4_0 GEMM uses int8 "
+        "VNNI dot products. " + f.flops("Q4_0")
     ),
-    ("Q4_0", "prefill_tps"): (
-        "Prefill runs the dequantize-then-GEMM kernels in fp32; llama.cpp's repacked Q4_0 GEMM "
-        "uses int8 VNNI dot products, about twice the multiply-adds per instruction."
+    ("Q4_0", "tput_tps"): lambda f, fmts: (
+        "Batched decode uses the same fp32 dequantize-GEMM as prefill. " + f.batching("Q4_0")
     ),
-    ("Q4_0", "tput_tps"): (
-        "Batched decode uses the same fp32 dequantize-GEMM as prefill (see above)."
+    ("*", "decode_tps"): lambda f, fmts: (
+        "Decode is the fused dequantize-GEMVs (exact fp32 math, where llama.cpp uses int8 dot "
+        "products for quantized weights) plus per-step work outside the kernels. "
+        + f.profile()
+        + " "
+        + _each(fmts, f.bandwidth)
     ),
-    ("F32", "prefill_tps"): (
-        "Profiled on SmolLM2's F32 weights (one 512-token prefill, 583 ms with the per-call "
-        "hook): 66% GEMMs (fp32 3-row tiles at ~285 GFLOP/s on 2 threads; llama.cpp's tiled "
-        "sgemm is faster) and 25% attention (`batch_prefill_ragged_kv` scores one query row "
-        "per task, without blocking several query rows over the same keys). The 0.5B shape "
-        "runs the same kernels on larger matrices."
+    ("*", "prefill_tps"): lambda f, fmts: (
+        "Prefill is matmuls plus attention: fp32 GEMMs (quantized weights dequantized once per "
+        "L2-sized block) and `batch_prefill_ragged_kv`, which scores one query row per task "
+        "instead of blocking several query rows over the same keys; llama.cpp runs tiled GEMMs "
+        "with int8 dot products for quantized weights. " + _each(fmts, f.flops)
     ),
-    ("*", "decode_tps"): (
-        "Decode is the fused dequantize-GEMVs (for quantized weights compute-bound on the vector "
-        "FP pipes: exact fp32 math, about 3 FP operations per 16 weights, where llama.cpp uses "
-        "int8 dot products) plus about 0.8 ms per step outside the kernels (`other` in the "
-        "profile: the VM interpreter, embedding the input, copying the logits out)."
+    ("*", "tput_tps"): lambda f, fmts: (
+        "Batched decode runs the fp32 GEMM kernels with only a few rows (M = the batch). "
+        + _each(fmts, f.batching)
     ),
-    ("*", "prefill_tps"): (
-        "Prefill is matmuls plus attention: our GEMMs (fp32 3-row tiles; quantized weights "
-        "dequantized once per L2-sized block) and `batch_prefill_ragged_kv`, which scores one "
-        "query row per task instead of blocking several query rows over the same keys; "
-        "llama.cpp's 512-token ubatch runs tiled GEMMs with int8 dot products for quantized "
-        "weights."
-    ),
-    ("*", "tput_tps"): (
-        "Batched decode runs the fp32 GEMM kernels with only a few rows (M = the batch), "
-        "where they reach about half their peak."
-    ),
-    ("*", "peak_rss_mib"): (
-        "mlcrun's resident memory is the weights plus about 200 MiB of TVM runtime and "
-        "libraries (libtvm, LLVM, numpy), against llama.cpp's ~10 MiB of native code; the KV "
-        "cache is fp32 (llama.cpp's is fp16), so long contexts double its share."
+    ("*", "peak_rss_mib"): lambda f, fmts: (
+        "mlcrun's resident memory is the weights plus the TVM runtime and its libraries "
+        "(libtvm, LLVM, numpy) against llama.cpp's native code; "
+        + f.kv_types(fmts[0])
+        + ". "
+        + f.rss(fmts)
     ),
 }
 
@@ -99,6 +242,33 @@ def fmt(value, spec: str) -> str:
 
 def ratio_cell(value) -> str:
     return "—" if value is None else f"{value:.2f}"
+
+
+def ranged_cell(value, per_round: dict | None) -> str:
+    """ "1.08x (1.03-1.12)": the median ratio and its per-round range (one round: no range)."""
+    if value is None:
+        return "—"
+    if not per_round or len(per_round.get("rounds") or []) < 2:
+        return f"{value:.2f}x"
+    return f"{value:.2f}x ({per_round['min']:.2f}-{per_round['max']:.2f})"
+
+
+def tie_threshold(model: dict, key: str = "decode_tps") -> tuple[float, str]:
+    """The model's tie threshold for metric `key` and how it was set: measured by compare.py
+    from the spread of the per-round ratios (the timed metrics share one, peak RSS has its
+    own), or the old fixed 3% for a JSON without them."""
+    name = "rss_tie_threshold" if key == "peak_rss_mib" else "tie_threshold"
+    measured = (model.get(name) or {}).get("value")
+    if measured is not None:
+        cells = model[name]["cells"]
+        what = "peak RSS" if key == "peak_rss_mib" else "timed"
+        return measured, (
+            f"the median, over {cells} {what} mlcrun/llama.cpp cells, of the per-round ratios' "
+            "half-range relative to their median"
+        )
+    if model.get("tie_threshold"):
+        return TIE, "fixed: this run has fewer than 2 rounds, no spread to measure it from"
+    return TIE, "fixed: this run kept no per-round ratios to measure it from"
 
 
 def model_section(name: str, model: dict, doc: dict) -> list[str]:
@@ -128,18 +298,32 @@ def model_section(name: str, model: dict, doc: dict) -> list[str]:
             + " | ".join(cells)
             + f" | {fmt(r.get('size_mib'), '{:.0f}')} | {fraction} |"
         )
-    out += ["", "Ratios (mlcrun / peer, same format; TTFT and RSS: lower is better):", ""]
+    out += [
+        "",
+        "Ratios (mlcrun / peer, same format; TTFT and RSS: lower is better): the median of the "
+        "per-round ratios (each round's mlcrun over the same round's peer), their range over the "
+        "rounds in brackets:",
+        "",
+    ]
     out += [
         "| pair | " + " | ".join(t for _, t, _ in COLUMNS) + " | same greedy tokens |",
         "| --- |" + " ---: |" * (len(COLUMNS) + 1),
     ]
     for pair, ratios in model["ratios"].items():
         same = ratios.get("same_first_tokens")
+        per_round = ratios.get("per_round") or {}
         out.append(
             f"| {pair} | "
-            + " | ".join(ratio_cell(ratios.get(k)) for k, _, _ in COLUMNS)
+            + " | ".join(ranged_cell(ratios.get(k), per_round.get(k)) for k, _, _ in COLUMNS)
             + f" | {'—' if same is None else same} |"
         )
+    tie, how = tie_threshold(model)
+    rss, rss_how = tie_threshold(model, "peak_rss_mib")
+    out += [
+        "",
+        f"Tie thresholds for this model: **{100 * tie:.1f}%** for decode, prefill, TTFT and "
+        f"throughput ({how}); **{100 * rss:.2f}%** for peak RSS ({rss_how}).",
+    ]
     if model.get("errors"):
         errors = "; ".join(f"{k}: {v}" for k, v in model["errors"].items())
         out += ["", f"Errors recorded: {errors}"]
@@ -147,32 +331,98 @@ def model_section(name: str, model: dict, doc: dict) -> list[str]:
     return out
 
 
-def behind(doc: dict) -> list[str]:
-    """Bullets for every (model, format, metric) where mlcrun trails llama.cpp, with the reason;
-    a reason shared by all formats (`GAPS[("*", metric)]`) is given once per model."""
+def behind(doc: dict, kernel: dict | None = None) -> list[str]:
+    """Bullets for every (model, format, metric) where mlcrun trails llama.cpp by more than the
+    model's measured tie threshold, with the reason; a reason shared by all formats
+    (`GAPS[("*", metric)]`) is given once per model."""
     lines = []
     for name, model in doc["models"].items():
-        shared: dict[str, list[str]] = {}
+        facts = Facts(doc, model, kernel)
+        shared: dict[str, list[tuple[str, str]]] = {}
         for pair, ratios in model["ratios"].items():
             if "llama.cpp" not in pair:
                 continue
             fmt_name = pair.split()[0]
+            per_round = ratios.get("per_round") or {}
             for key, title, _ in COLUMNS:
                 value = ratios.get(key)
                 lower_better = key in ("ttft_ms", "peak_rss_mib")
                 if key == "ttft_ms" or value is None:
                     continue  # TTFT mirrors prefill speed
-                if (value <= 1 + TIE) if lower_better else (value >= 1 - TIE):
+                tie, _ = tie_threshold(model, key)
+                if (value <= 1 + tie) if lower_better else (value >= 1 - tie):
                     continue
+                cell = ranged_cell(value, per_round.get(key))
                 if (fmt_name, key) not in GAPS and ("*", key) in GAPS:
-                    shared.setdefault(key, []).append(f"{fmt_name} {value:.2f}x")
+                    shared.setdefault(key, []).append((fmt_name, cell))
                     continue
-                reason = GAPS.get((fmt_name, key), "")
-                lines.append(f"- **{name}, {fmt_name}, {title}: {value:.2f}x.** {reason}")
+                gap = GAPS.get((fmt_name, key))
+                reason = gap(facts, [fmt_name]) if gap else ""
+                lines.append(f"- **{name}, {fmt_name}, {title}: {cell}.** {reason}".rstrip())
         for key, cases in shared.items():
             title = next(t for k, t, _ in COLUMNS if k == key)
-            lines.append(f"- **{name}, {title}: {', '.join(cases)}.** {GAPS[('*', key)]}")
+            listed = ", ".join(f"{f} {c}" for f, c in cases)
+            reason = GAPS[("*", key)](facts, [f for f, _ in cases])
+            lines.append(f"- **{name}, {title}: {listed}.** {reason}".rstrip())
     return lines
+
+
+def kstep_section(doc: dict) -> list[str]:
+    """The cost of one K-token step against a 1-token step, per model, format and engine."""
+    tables = []
+    for name, model in doc["models"].items():
+        rows = [r for r in model["results"] if r.get("kstep")]
+        if not rows:
+            continue
+        ks = list(rows[0]["kstep"]["prefill"])
+        depth = rows[0]["kstep"]["depth"]
+        head = (
+            "| format | engine | 1-token step ms | "
+            + " | ".join(f"K={k} (last logits)" for k in ks)
+            + " | "
+            + " | ".join(f"K={k} (all logits)" for k in ks)
+            + " |"
+        )
+        tables += [
+            f"### {name} (depth {depth})",
+            "",
+            head,
+            "| --- | --- |" + " ---: |" * (1 + 2 * len(ks)),
+        ]
+        order = {e: i for i, e in enumerate(("mlcrun", "llama.cpp", "transformers"))}
+        for r in sorted(
+            rows, key=lambda r: (model["formats"].index(r["format"]), order[r["engine"]])
+        ):
+            k = r["kstep"]
+            cells = [
+                ranged_cell(k[mode][n]["median"], k[mode][n])
+                for mode in ("prefill", "verify")
+                for n in ks
+            ]
+            label = "**mlcrun**" if r["engine"] == "mlcrun" else r["engine"]
+            tables.append(
+                f"| {r['format']} | {label} | {k['one_step_ms']:.2f} | " + " | ".join(cells) + " |"
+            )
+        tables.append("")
+    if not tables:
+        return []
+    reps = doc["lengths"].get("kstep_reps")
+    return [
+        "## The cost of a K-token step",
+        "",
+        "One forward over K new tokens of one sequence against a 1-token step at the same depth "
+        "(llama-bench's `-p K`), as a ratio: K-step time / 1-step time (1.00 would make K "
+        "tokens as cheap as one; K would make them cost K steps). What speculative decoding and "
+        "chunked prefill of short prompts pay. *Last logits*: logits of the last token only "
+        "(mlcrun `batch_prefill`, llama.cpp `llama_decode` with one output); *all logits*: of "
+        "every token, as a verify step needs (mlcrun `batch_verify` of a K-token chain and its "
+        "commit, llama.cpp `llama_decode` with K outputs). Per process: one warm-up of each "
+        f"step, then {reps} repetitions of all of them in turn, the K tokens removed after each "
+        "step so that every step starts at the same depth; the ratio of medians. Shown: the "
+        "median over rounds and the range over rounds in brackets.",
+        "",
+        *tables,
+    ]
 
 
 def kernel_section(kernel: dict | None) -> list[str]:
@@ -198,7 +448,40 @@ def kernel_section(kernel: dict | None) -> list[str]:
     return out
 
 
-def profile_section(kernel: dict | None) -> list[str]:
+def profile_matmul_gbps(kernel: dict, doc: dict | None) -> str:
+    """The decode profile's matmuls as GB/s of weights (the default model's weight bytes from
+    compare.json's smollm2 mlcrun row of the same quantization) against the read bandwidth."""
+    prof = kernel["profile"]
+    smollm2 = ((doc or {}).get("models") or {}).get("smollm2") or {}
+    quant = kernel["model"]["quantization"]
+    row = next(
+        (
+            r
+            for r in smollm2.get("results", [])
+            if r["engine"] == "mlcrun" and r.get("quantization") == quant
+        ),
+        None,
+    )
+    read = ((doc or {}).get("bandwidth") or {}).get("median", {}).get("read_gbps")
+    matmul_ms = sum(k["ms"] for k in prof["kernels"] if "matmul" in k["name"])
+    if not row or not read or not matmul_ms or prof["batch"] != 1:
+        return ""
+    gbps = row["weight_bytes_per_token"] / (matmul_ms / 1e3) / 1e9
+    verdict = (
+        "well under it, so the matmuls are limited by their instructions, not by memory: fewer "
+        "instructions per weight, not fewer bytes, is the next lever"
+        if gbps < 0.6 * read
+        else "close to it, so the matmuls are bound by memory bandwidth"
+    )
+    return (
+        f" While they run, the matmuls stream {gbps:.1f} GB/s of weights "
+        f"({row['weight_bytes_per_token'] / 1e6:.1f} MB in {matmul_ms:.2f} ms) against the "
+        f"{read:.1f} GB/s read bandwidth compare.py measured: {verdict}. (The profile and the "
+        "bandwidth come from different runs.)"
+    )
+
+
+def profile_section(kernel: dict | None, doc: dict | None = None) -> list[str]:
     profile = (kernel or {}).get("profile")
     if not profile:
         return []
@@ -230,8 +513,7 @@ def profile_section(kernel: dict | None) -> list[str]:
             if lm_head
             else ""
         )
-        + " The matmuls are compute-bound on the vector FP pipes at 2 threads (see the gaps"
-        " above), so fewer instructions per weight, not fewer bytes, is the next lever.",
+        + profile_matmul_gbps(kernel, doc),
         "",
         "| kernel | calls | ms | share |",
         "| --- | ---: | ---: | ---: |",
@@ -513,17 +795,99 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def rounds_text(doc: dict) -> str:
+    """How the rounds were run, as the JSON records it."""
+    if doc.get("round_orders") is not None:
+        return (
+            f"{doc['rounds']} rounds, each running every engine and format once in its own random "
+            f"order (seed {doc['seed']}; the orders are in the JSON)"
+        )
+    return f"median of {doc['rounds']} interleaved rounds (A B C A B C ...)"
+
+
+def bandwidth_text(doc: dict) -> str:
+    bw = doc["bandwidth"]
+    reads = [s["read_gbps"] for s in bw.get("samples", []) if s.get("read_gbps")]
+    moved = (
+        f"; over the rounds the read sweep ranged {min(reads):.1f}-{max(reads):.1f} GB/s"
+        if len(reads) > 1
+        else ""
+    )
+    return (
+        f"Memory bandwidth measured in the same run with the same threads, at the start of every "
+        f"round (median): STREAM triad {bw['median']['triad_gbps']:.1f} GB/s, read-only sweep "
+        f"{bw['median']['read_gbps']:.1f} GB/s{moved}. The read-bound decode rate is that "
+        "bandwidth over the bytes of weights read per token. Absolute tokens/s move with the "
+        "machine's load; the ratios, paired round by round, move less."
+    )
+
+
+def method_section(doc: dict) -> list[str]:
+    llama = (doc.get("versions") or {}).get("llama_cpp_python")
+    kv = ""
+    for model in doc["models"].values():
+        for r in model["results"]:
+            kind = (r.get("settings") or {}).get("type_k")
+            if r["engine"] == "llama.cpp" and kind is not None:
+                kv = f"; its KV cache is {GGML_TYPES.get(kind, kind)}, mlcrun's fp32"
+                break
+        if kv:
+            break
+    ties = [
+        f"{name} {100 * tie_threshold(model)[0]:.1f}% (peak RSS "
+        f"{100 * tie_threshold(model, 'peak_rss_mib')[0]:.2f}%)"
+        for name, model in doc["models"].items()
+    ]
+    return [
+        "## Method",
+        "",
+        "- Benchmarks are never tests: nothing here asserts a speed; tests check correctness.",
+        f"- Rounds: {rounds_text(doc)}. A round starts with the bandwidth sweep, then runs each "
+        "(model, engine, format) in a fresh process; a new order each round means no engine "
+        "always runs first, last, or right after the same neighbour. Medians over rounds are "
+        "reported.",
+        "- Ratios are paired by round: each round's mlcrun result over the same round's peer "
+        "(run minutes apart, under the same conditions), then the median of those per-round "
+        "ratios, with their range (min-max) in brackets. A round where either engine failed "
+        "is left out of that pair.",
+        '- Ties: a ratio counts as a tie, and is not listed under "behind", when it is within '
+        "the model's tie threshold of 1. The threshold is measured, not fixed: for every timed "
+        "metric (decode, prefill, TTFT, throughput) of every mlcrun/llama.cpp pair, half the "
+        "range of its per-round ratios, relative to their median; the threshold is the median "
+        "of those half-ranges, i.e. how far a typical ratio of this run moves from round to "
+        "round. That errs towards calling a difference a tie: the median of several rounds "
+        "moves less than one round does. Peak RSS does not move with the machine's load, so it "
+        "gets its own threshold, the same rule over the RSS ratios alone. This run: "
+        + ", ".join(ties)
+        + ". (Without 2 paired rounds there is no spread "
+        "and the threshold falls back to a fixed 3%; the docs want at least 5 rounds.)",
+        '- Every figure in the "behind" explanations is computed from this run\'s JSON '
+        "(bandwidth, bytes per token, tokens/s, RSS, llama.cpp's settings) or from the stored "
+        "kernel profile; none is typed in.",
+        "- Every engine gets the same token ids (random, no tokenizer), greedy decoding with EOS "
+        "ignored, so all generate exactly the same number of tokens. `same greedy tokens` counts "
+        "the leading generated tokens both engines agree on: identical at F32; quantized "
+        "llama.cpp multiplies with int8-quantized activations, mlcrun in fp32, so they part "
+        "after a few tokens.",
+        "- Peak RSS is the process's own high-water mark (`VmHWM`), read in the worker.",
+        f"- llama.cpp runs through llama-cpp-python {llama or '(not installed)'} built from "
+        f"source with AVX-512 and VNNI, AMX off (benchmarks/README.md){kv}.",
+        "",
+    ]
+
+
 def render(doc: dict, kernel: dict | None, spec: dict | None = None) -> str:
     m = doc["machine"]
-    bw = doc["bandwidth"]["median"]
     versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
+    took = doc.get("elapsed_s")
+    took = f"this run took {took / 60:.0f} minutes; " if took else ""
     lines = [
         "# Performance",
         "",
         "*Generated by `benchmarks/performance_doc.py` from `benchmarks/results/compare.json` "
         "and `benchmarks/results/kernel.json`; do not edit by hand.*",
         "",
-        "Reproduce (about 30 minutes; see [benchmarks/README.md](../benchmarks/README.md)):",
+        f"Reproduce ({took}see [benchmarks/README.md](../benchmarks/README.md)):",
         "",
         "    .venv/bin/python benchmarks/compare.py",
         "    .venv/bin/mlcrun bench --mode kernel -p 128,512 -b 1,4,16 -d 0,512 -r 3 --profile \\",
@@ -533,14 +897,10 @@ def render(doc: dict, kernel: dict | None, spec: dict | None = None) -> str:
         f"This run: `{doc['command']}` on {doc['created']}.",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['platform']}; "
-        f"**{doc['threads']} threads for every engine**, median of {doc['rounds']} interleaved "
-        f"rounds (A B C A B C ...), each engine in a fresh process. Versions: {versions}.",
+        f"**{doc['threads']} threads for every engine**, {rounds_text(doc)}, each engine in a "
+        f"fresh process. Versions: {versions}.",
         "",
-        f"Memory bandwidth measured in the same run with the same threads (median): STREAM "
-        f"triad {bw['triad_gbps']:.1f} GB/s, read-only sweep {bw['read_gbps']:.1f} GB/s. The "
-        "read-bound decode rate is that bandwidth over the bytes of weights read per token; "
-        "this VM's bandwidth drifts by up to 2x within minutes, so trust the ratios measured "
-        "side by side more than absolute tokens/s.",
+        bandwidth_text(doc),
         "",
         "![decode tokens/s per format and engine](performance.png)",
         "",
@@ -549,33 +909,20 @@ def render(doc: dict, kernel: dict | None, spec: dict | None = None) -> str:
     ]
     for name, model in doc["models"].items():
         lines += model_section(name, model, doc)
-    gaps = behind(doc)
+    gaps = behind(doc, kernel)
     lines += [
         "## Where mlcrun is behind llama.cpp, and why",
         "",
-        f"(Ratios within {100 * TIE:.0f}% of 1 count as ties: the same command run twice on "
-        "this VM moves single results by up to 10%.)",
+        "(A ratio within its model's measured tie threshold of 1 counts as a tie; see Method.)",
         "",
     ]
     lines += gaps or ["Nowhere in this run."]
     lines.append("")
-    lines += profile_section(kernel)
+    lines += kstep_section(doc)
+    lines += profile_section(kernel, doc)
     lines += kernel_section(kernel)
     lines += spec_section(spec)
-    lines += [
-        "## Method",
-        "",
-        "- Benchmarks are never tests: nothing here asserts a speed; tests check correctness.",
-        "- Every engine gets the same token ids (random, no tokenizer), greedy decoding with EOS "
-        "ignored, so all generate exactly the same number of tokens. `same greedy tokens` counts "
-        "the leading generated tokens both engines agree on: identical at F32; quantized "
-        "llama.cpp multiplies with int8-quantized activations, mlcrun in fp32, so they part "
-        "after a few tokens.",
-        "- Peak RSS is the process's own high-water mark (`VmHWM`), read in the worker.",
-        "- llama.cpp runs through llama-cpp-python 0.3.36 built from source with AVX-512 and "
-        "VNNI, AMX off (benchmarks/README.md); its KV cache is fp16, mlcrun's fp32.",
-        "",
-    ]
+    lines += method_section(doc)
     return "\n".join(lines)
 
 
