@@ -1,0 +1,926 @@
+"""CPU attention kernels for the paged KV cache (swapped in by `kv_kernels.replace_kv_kernels`).
+
+Same signatures and math as TVM 0.27's `TIRPagedKVCache` CPU kernels (scores in log2 units,
+softmax with a running max, the log2-sum-exp written beside each output row, -5e4 and a zero
+row for a row that sees no key), computed in float32 whatever the cache's dtype: K, V and q are
+loaded as stored (float32 or float16) and widened. Two shapes of work:
+
+* Decode (`decode_attention`): one query token per sequence. A task is one (sequence, KV head)
+  pair and takes all the query heads of that KV head (GQA group), so each K/V row is loaded
+  once for the group. The head dimension runs in vector lanes (16 floats), keys one page (16
+  rows) at a time: per key a 16-lane multiply-add per 16 dimensions, a horizontal sum, then the
+  V rows of the page weighted into register accumulators. The page size is a compile-time 16
+  (TVM's CPU kernels only work with 16), so a key's page and slot are a shift and a mask.
+* Row tiles (prefill over the chunk itself or over cached pages, and both tree kernels): a
+  task is a tile of 16 query rows that read the same keys (consecutive (token, head) rows of
+  one sequence and one KV head: with GQA a tile spans a few tokens times the group's heads),
+  one row per vector lane. Per 16 keys: qk = a 16-key x 16-row block of multiply-adds with the
+  key element broadcast (no horizontal sums), the online softmax on whole vectors, then the
+  16 x head_dim output block updated in 4-dimension strips. Every K/V element loaded serves 16
+  rows. Masks (causal, token tree, the ragged end of a page) are a compare and a select per key
+  and row; a chunk past the end of a sequence is copied into a zero-filled buffer first (as is
+  every float16 chunk, widened once), so no row ever multiplies an unused page slot.
+
+Token trees (`tree_ragged_attention`, `tree_paged_attention`): a node sees key j when j is
+before the tree (cached history) or j is the node itself or one of its ancestors; the cache
+passes each tree as DFS intervals `[first, end)` per node, so "j is an ancestor of i" is
+`first[j] <= first[i] < end[j]`. Tasks are balanced by pairing short and long tiles (causal
+rows near the start of a prompt see few keys).
+"""
+# ruff: noqa: B023 -- the lambdas passed to T.macro calls are expanded while the loop body is
+# parsed (TVMScript), i.e. at once, never called later with a rebound variable.
+
+from __future__ import annotations
+
+import math
+
+from tvm.script import tirx as T
+
+LANES = 16  # float32 lanes of a 512-bit vector: rows per tile, dimensions per decode vector
+KEYS = 16  # keys per chunk: one page of the CPU cache
+PAGE = 16  # TVM 0.27's CPU KV-cache kernels are built for 16-token pages
+LOG2E = math.log2(math.e)
+MASKED = -1e30  # the score of a key a row does not see (below any real score)
+EMPTY = -5e4  # TVM's running-max start and the lse of a row without keys
+
+# 2^f on [0, 1): Taylor coefficients of e^(f ln 2) to degree 7 (relative error < 2e-7, about
+# 3 float32 ulps), evaluated by Horner's rule.
+_EXP2_COEFFS = [math.log(2) ** k / math.factorial(k) for k in range(8)]
+
+
+def exp2_nonpositive(x):
+    """2^x for x <= 0 in plain arithmetic, so that a loop of it vectorizes (LLVM turns exp2 into
+    one libm call per lane). Inputs below -126 give 2^-126 (their weight in a softmax that
+    includes 2^0 is far below float32 resolution)."""
+    x = T.max(x, T.float32(-126))
+    whole = T.floor(x)
+    frac = x - whole
+    poly = T.float32(_EXP2_COEFFS[-1])
+    for coeff in reversed(_EXP2_COEFFS[:-1]):
+        poly = poly * frac + T.float32(coeff)
+    bits = T.shift_left(whole.astype("int32") + 127, 23)
+    return poly * T.reinterpret("float32", bits)
+
+
+def _balanced(p, count):
+    """Task p of `count` -> a tile, pairing short causal tiles with long ones (0, n-1, 1, ...),
+    so the thread pool's contiguous ranges of tasks carry similar work."""
+    return T.if_then_else(p % 2 == 0, p // 2, count - 1 - p // 2)
+
+
+def supported(head_dim: int) -> bool:
+    """Decode vectorizes the head dimension in LANES; the tiles need nothing more."""
+    return head_dim % LANES == 0
+
+
+# ----------------------------------------------------------------------------------- decode
+
+
+def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
+    """One query token per sequence over its paged K/V (no sliding window; RoPE already
+    applied, so rotary_mode must be 0). A task is a (sequence, KV head) pair with all the query
+    heads of its group."""
+    H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
+    G = H_qo // H_kv
+    NV = D // LANES
+
+    @T.macro
+    def page_block(qv, acc, s, part, m, mn, den, pages, page, hk, cnt):
+        """The first `cnt` keys of page `page` for every head of the group."""
+        for g in T.unroll(G):
+            mn[g] = m[g]
+        for cc in T.serial(cnt):
+            for g in T.unroll(G):
+                for j in T.vectorized(LANES):
+                    part[g * LANES + j] = T.float32(0)
+            for d0 in T.unroll(NV):
+                for g in T.unroll(G):
+                    for j in T.vectorized(LANES):
+                        part[g * LANES + j] = part[g * LANES + j] + qv[
+                            g * D + d0 * LANES + j
+                        ] * pages[page, 0, hk, cc, d0 * LANES + j].astype("float32")
+            for g in T.unroll(G):
+                # Horizontal sum as a tree (a serial sum is a chain of 16 dependent adds).
+                for j in T.vectorized(8):
+                    part[g * LANES + j] = part[g * LANES + j] + part[g * LANES + j + 8]
+                for j in T.vectorized(4):
+                    part[g * LANES + j] = part[g * LANES + j] + part[g * LANES + j + 4]
+                for j in T.vectorized(2):
+                    part[g * LANES + j] = part[g * LANES + j] + part[g * LANES + j + 2]
+                s[g * PAGE + cc] = part[g * LANES] + part[g * LANES + 1]
+                mn[g] = T.max(mn[g], s[g * PAGE + cc])
+        for g in T.unroll(G):
+            # exp2 of the whole page in vector lanes; lanes past `cnt` hold stale scores, are
+            # clamped, and never read.
+            for cc in T.vectorized(PAGE):
+                s[g * PAGE + cc] = exp2_nonpositive(s[g * PAGE + cc] - mn[g])
+            part[g * LANES] = exp2_nonpositive(m[g] - mn[g])  # rescales the earlier pages
+            den[g] = den[g] * part[g * LANES]
+            m[g] = mn[g]
+            for d0 in T.unroll(NV):
+                for j in T.vectorized(LANES):
+                    acc[g * D + d0 * LANES + j] = acc[g * D + d0 * LANES + j] * part[g * LANES]
+        for cc in T.serial(cnt):
+            for g in T.unroll(G):
+                den[g] = den[g] + s[g * PAGE + cc]
+                for d0 in T.unroll(NV):
+                    for j in T.vectorized(LANES):
+                        acc[g * D + d0 * LANES + j] = acc[g * D + d0 * LANES + j] + s[
+                            g * PAGE + cc
+                        ] * pages[page, 1, hk, cc, d0 * LANES + j].astype("float32")
+
+    @T.prim_func(s_tir=True)
+    def batch_decode_paged_kv(
+        Q_handle: T.handle,
+        pages_handle: T.handle,
+        page_table_indptr_handle: T.handle,
+        page_table_values_handle: T.handle,
+        var_length_info: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        output_handle: T.handle,
+        lse_handle: T.handle,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        Q = T.match_buffer(Q_handle, (B, H_qo, D), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv, PAGE, D), dtype)
+        page_table_indptr = T.match_buffer(
+            page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset
+        )
+        page_table_values = T.match_buffer(
+            page_table_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset
+        )
+        k_rope_pos_offset = T.match_buffer(  # noqa: F841 (part of the signature)
+            k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_pos_offset_elem_offset
+        )
+        q_rope_position = T.match_buffer(  # noqa: F841
+            q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset
+        )
+        output = T.match_buffer(output_handle, (B, H_qo, D), dtype)
+        lse = T.match_buffer(lse_handle, (B, H_qo), "float32")
+        last_page_len = T.match_buffer(
+            var_length_info, (B,), "int32", elem_offset=length_info_elem_offset
+        )
+        assert rotary_mode == 0, "mlcrun's decode attention expects RoPE already applied"
+
+        for task in T.parallel(B * H_kv):
+            with T.sblock("attn"):
+                T.reads()
+                T.writes()
+                qv = T.sblock_alloc_buffer((G * D,), "float32")
+                acc = T.sblock_alloc_buffer((G * D,), "float32")
+                s = T.sblock_alloc_buffer((G * PAGE,), "float32")
+                part = T.sblock_alloc_buffer((G * LANES,), "float32")
+                m = T.sblock_alloc_buffer((G,), "float32")
+                mn = T.sblock_alloc_buffer((G,), "float32")
+                den = T.sblock_alloc_buffer((G,), "float32")
+                b: T.let[T.int32] = task // H_kv
+                hk: T.let[T.int32] = task % H_kv
+                begin: T.let[T.int32] = page_table_indptr[b]
+                num_pages: T.let[T.int32] = page_table_indptr[b + 1] - begin
+                n: T.let[T.int32] = T.if_then_else(
+                    num_pages > 0, (num_pages - 1) * PAGE + last_page_len[b], 0
+                )
+                for g in T.serial(G):
+                    for d in T.vectorized(D):
+                        qv[g * D + d] = Q[b, hk * G + g, d].astype("float32") * (sm_scale * LOG2E)
+                        acc[g * D + d] = T.float32(0)
+                    m[g] = T.float32(EMPTY)
+                    den[g] = T.float32(0)
+                for c in T.serial(num_pages):
+                    page_block(
+                        qv,
+                        acc,
+                        s,
+                        part,
+                        m,
+                        mn,
+                        den,
+                        pages,
+                        page_table_values[begin + c],
+                        hk,
+                        T.min(PAGE, n - c * PAGE),
+                    )
+                for g in T.serial(G):
+                    for d in T.vectorized(D):
+                        output[b, hk * G + g, d] = T.if_then_else(
+                            n > 0, acc[g * D + d] / den[g], T.float32(0)
+                        ).astype(output.dtype)
+                    lse[b, hk * G + g] = T.if_then_else(
+                        n > 0, m[g] + T.log2(den[g]), T.float32(EMPTY)
+                    )
+
+    return batch_decode_paged_kv
+
+
+# ------------------------------------------------------------------------------- row tiles
+
+
+def _shuffle_indices(step: int) -> tuple[list[int], list[int]]:
+    """One stage of a 16 x 16 transpose by shuffles: rows i and i + step (i & step == 0)
+    exchange their off-diagonal blocks of `step` lanes. Indices into concat(row i, row i+step)."""
+    first = [16 + j - step if j & step else j for j in range(16)]
+    second = [16 + j if j & step else j + step for j in range(16)]
+    return first, second
+
+
+_STAGES = {step: _shuffle_indices(step) for step in (8, 4, 2, 1)}
+
+
+@T.macro
+def _transpose_stage(dst, dst_row, dst_col, src, src_row, src_col, step, first, second):
+    """dst rows = one transpose stage of src rows (16 vectors of 16 lanes each, row i at
+    buf[row + i, col:col + 16])."""
+    for p in T.unroll(8):
+        dst[dst_row + (p // step) * 2 * step + p % step, T.ramp(dst_col, 1, 16)] = T.Shuffle(
+            [
+                src[src_row + (p // step) * 2 * step + p % step, T.ramp(src_col, 1, 16)],
+                src[src_row + (p // step) * 2 * step + p % step + step, T.ramp(src_col, 1, 16)],
+            ],
+            first,
+        )
+        dst[dst_row + (p // step) * 2 * step + p % step + step, T.ramp(dst_col, 1, 16)] = T.Shuffle(
+            [
+                src[src_row + (p // step) * 2 * step + p % step, T.ramp(src_col, 1, 16)],
+                src[src_row + (p // step) * 2 * step + p % step + step, T.ramp(src_col, 1, 16)],
+            ],
+            second,
+        )
+
+
+@T.macro
+def _transpose16(dst, dst_row, dst_col, src, src_row, src_col, tmp_a, tmp_b):
+    """dst[dst_row + j, dst_col + i] = src[src_row + i, src_col + j] for i, j < 16: four stages
+    of 16 two-vector shuffles in registers (a scalar transpose is 256 loads and stores, and
+    TVM scalarizes gathers and scatters)."""
+    _transpose_stage(tmp_a, 0, 0, src, src_row, src_col, 8, _STAGES[8][0], _STAGES[8][1])
+    _transpose_stage(tmp_b, 0, 0, tmp_a, 0, 0, 4, _STAGES[4][0], _STAGES[4][1])
+    _transpose_stage(tmp_a, 0, 0, tmp_b, 0, 0, 2, _STAGES[2][0], _STAGES[2][1])
+    _transpose_stage(dst, dst_row, dst_col, tmp_a, 0, 0, 1, _STAGES[1][0], _STAGES[1][1])
+
+
+def _row_tile(D: int, G: int, dtype: str):
+    """The tile body: 16 query rows of one sequence and KV head against its keys, chunk by
+    chunk. The caller describes the keys with `full_index(which, c, cc, d)` (key c*KEYS+cc of
+    a full chunk in its source buffer) and the rows' masks with `visible(j, lim, order)` (key j
+    for a row whose per-row values are `lim` and `order`, see `tile`)."""
+    widen = dtype != "float32"  # float16 chunks are widened once into the local buffers
+    assert D % LANES == 0 and KEYS == LANES  # noqa: S101 (kv_kernels checks `supported`)
+
+    @T.macro
+    def chunk(s, qt, acc, st, ri, kref, vref, index, c, visible):
+        """Scores, softmax update and output update for keys c*KEYS .. c*KEYS+KEYS-1, read
+        from kref/vref at index(which, cc, d). st rows: running max, new max, sum, rescale."""
+        for cc in T.unroll(KEYS):
+            for r in T.vectorized(LANES):
+                s[cc, r] = T.float32(0)
+        for d in T.serial(D):
+            for cc in T.unroll(KEYS):
+                for r in T.vectorized(LANES):
+                    s[cc, r] = s[cc, r] + qt[d, r] * kref[index(0, cc, d)].astype("float32")
+        for r in T.vectorized(LANES):
+            st[1, r] = st[0, r]
+        for cc in T.unroll(KEYS):
+            for r in T.vectorized(LANES):
+                s[cc, r] = T.Select(
+                    visible(c * KEYS + cc, ri[0, r], ri[1, r]), s[cc, r], T.float32(MASKED)
+                )
+                st[1, r] = T.max(st[1, r], s[cc, r])
+        for r in T.vectorized(LANES):
+            st[3, r] = exp2_nonpositive(st[0, r] - st[1, r])
+            st[2, r] = st[2, r] * st[3, r]
+            st[0, r] = st[1, r]
+        for cc in T.unroll(KEYS):
+            for r in T.vectorized(LANES):
+                s[cc, r] = T.Select(
+                    s[cc, r] > T.float32(MASKED / 2),
+                    exp2_nonpositive(s[cc, r] - st[0, r]),
+                    T.float32(0),
+                )
+                st[2, r] = st[2, r] + s[cc, r]
+        # Four output dimensions at a time: four independent chains of multiply-adds.
+        for d4 in T.serial(D // 4):
+            for dd in T.unroll(4):
+                for r in T.vectorized(LANES):
+                    acc[d4 * 4 + dd, r] = acc[d4 * 4 + dd, r] * st[3, r]
+            for cc in T.unroll(KEYS):
+                for dd in T.unroll(4):
+                    for r in T.vectorized(LANES):
+                        acc[d4 * 4 + dd, r] = acc[d4 * 4 + dd, r] + s[cc, r] * vref[
+                            index(1, cc, d4 * 4 + dd)
+                        ].astype("float32")
+
+    @T.macro
+    def tile(
+        q,
+        output,
+        lse,
+        sm_scale,
+        q_begin,
+        q_n,
+        t,
+        hk,
+        kv_n,
+        n_keys,
+        row_lim,
+        row_order,
+        visible,
+        kref,
+        vref,
+        full_index,
+    ):
+        """Rows t*16 .. t*16+15 of the sequence's q_n * G (token, head) rows of KV head hk
+        (rows past the end repeat the last one: same values, written twice). Keys 0 ..
+        n_keys-1 of kv_n; row_lim(tok) and row_order(tok) give each row's mask values."""
+        qt = T.sblock_alloc_buffer((D, LANES), "float32", scope="local")  # q, one row per lane
+        acc = T.sblock_alloc_buffer((D, LANES), "float32", scope="local")
+        s = T.sblock_alloc_buffer((KEYS, LANES), "float32", scope="local")
+        kc = T.sblock_alloc_buffer((KEYS, D), "float32", scope="local")
+        vc = T.sblock_alloc_buffer((KEYS, D), "float32", scope="local")
+        st = T.sblock_alloc_buffer((4, LANES), "float32")  # softmax state, see chunk
+        ri = T.sblock_alloc_buffer((4, LANES), "int32")  # per row: lim, order, row, head
+        for r in T.serial(LANES):
+            ri[2, r] = T.min(t * LANES + r, q_n * G - 1) // G  # the token, within the sequence
+            ri[3, r] = hk * G + T.min(t * LANES + r, q_n * G - 1) % G
+            ri[0, r] = row_lim(ri[2, r])
+            ri[1, r] = row_order(ri[2, r])
+            ri[2, r] = q_begin + ri[2, r]
+            for d in T.vectorized(D):  # q rows, scaled to log2 units, transposed below
+                kc[r, d] = q[ri[2, r], ri[3, r], d].astype("float32") * (sm_scale * LOG2E)
+        for b in T.serial(D // LANES):
+            _transpose16(qt, b * LANES, 0, kc, 0, b * LANES, s, vc)
+        for r in T.vectorized(LANES):
+            st[0, r] = T.float32(EMPTY)
+            st[2, r] = T.float32(0)
+        for d in T.serial(D):
+            for r in T.vectorized(LANES):
+                acc[d, r] = T.float32(0)
+        for c in T.serial((n_keys + KEYS - 1) // KEYS):
+            if not widen and c * KEYS + KEYS <= kv_n:
+                chunk(
+                    s,
+                    qt,
+                    acc,
+                    st,
+                    ri,
+                    kref,
+                    vref,
+                    lambda which, cc, d: full_index(which, c, cc, d),
+                    c,
+                    visible,
+                )
+            else:
+                for cc in T.serial(KEYS):
+                    if c * KEYS + cc < kv_n:
+                        for d in T.vectorized(D):
+                            kc[cc, d] = kref[full_index(0, c, cc, d)].astype("float32")
+                            vc[cc, d] = vref[full_index(1, c, cc, d)].astype("float32")
+                    else:
+                        for d in T.vectorized(D):
+                            kc[cc, d] = T.float32(0)
+                            vc[cc, d] = T.float32(0)
+                chunk(s, qt, acc, st, ri, kc, vc, lambda which, cc, d: (cc, d), c, visible)
+        for r in T.vectorized(LANES):
+            st[3, r] = T.Select(st[2, r] > 0, T.float32(1) / st[2, r], T.float32(0))
+        for d in T.serial(D):
+            for r in T.vectorized(LANES):
+                acc[d, r] = acc[d, r] * st[3, r]
+        for b in T.serial(D // LANES):
+            _transpose16(kc, 0, b * LANES, acc, b * LANES, 0, s, vc)
+        for r in T.serial(LANES):
+            lse[ri[2, r], ri[3, r]] = T.if_then_else(
+                st[2, r] > 0, st[0, r] + T.log2(st[2, r]), T.float32(EMPTY)
+            )
+            for d in T.vectorized(D):
+                output[ri[2, r], ri[3, r], d] = kc[r, d].astype(output.dtype)
+
+    return tile
+
+
+@T.macro
+def _find_tile(where, q_indptr, batch_size, tile_index, G):
+    """where[0], where[1] = the sequence and its tile number of global tile `tile_index`
+    (tiles numbered sequence after sequence, ceil(rows / 16) each); where[0] = -1 past the
+    last one."""
+    where[0] = -1
+    where[2] = 0
+    for i in T.serial(batch_size):
+        if where[0] < 0:
+            if tile_index < where[2] + ((q_indptr[i + 1] - q_indptr[i]) * G + LANES - 1) // LANES:
+                where[0] = i
+                where[1] = tile_index - where[2]
+            where[2] = where[2] + ((q_indptr[i + 1] - q_indptr[i]) * G + LANES - 1) // LANES
+
+
+def _tile_count(rows_total, batch_size, G):
+    """An upper bound of the tiles of all sequences (each sequence wastes less than one)."""
+    return (rows_total * G + LANES - 1) // LANES + batch_size
+
+
+def _causal_lim(causal, kv_n, q_n):
+    """Keys a row of token `tok` sees: all kv_n, or (causal) up to its own position, the
+    chunk's rows being the last of the sequence's keys."""
+    return lambda tok: T.if_then_else(causal > 0, kv_n - q_n + tok + 1, kv_n)
+
+
+def _lim_visible(j, lim, order):
+    return j < lim
+
+
+def _no_order(tok):
+    return 0
+
+
+def _tree_visible(tree, tree_begin, tree_start, kv_n):
+    """Key j is before the tree, or an ancestor of the row's node (or the node itself):
+    first[j] <= first[row] < end[j] in the tree's DFS order."""
+
+    def visible(j, lim, order):
+        node = T.max(T.min(j, kv_n - 1) - tree_start, 0)
+        return T.And(
+            j < kv_n,
+            T.Or(
+                j < tree_start,
+                T.And(tree[tree_begin + node, 0] <= order, order < tree[tree_begin + node, 1]),
+            ),
+        )
+
+    return visible
+
+
+def prefill_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
+    """The new tokens of each sequence attend to each other (causal or not) from the chunk's
+    contiguous K/V; tiles of 16 rows."""
+    H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
+    G = H_qo // H_kv
+    tile = _row_tile(D, G, dtype)
+
+    @T.prim_func(s_tir=True)
+    def batch_prefill_ragged_kv(
+        var_q: T.handle,
+        var_q_indptr: T.handle,
+        var_k: T.handle,
+        var_v: T.handle,
+        var_kv_indptr: T.handle,
+        var_q_rope_position: T.handle,
+        var_k_rope_pos_offset: T.handle,
+        var_output: T.handle,
+        var_lse: T.handle,
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch_size = T.int32()
+        qo_len = T.int32()
+        kv_len = T.int32()
+        q_indptr_elem_offset = T.int32()
+        kv_indptr_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (qo_len, H_qo, D), dtype)
+        q_indptr = T.match_buffer(
+            var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset
+        )
+        k = T.match_buffer(var_k, (kv_len, H_kv, D), dtype)
+        v = T.match_buffer(var_v, (kv_len, H_kv, D), dtype)
+        kv_indptr = T.match_buffer(
+            var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset
+        )
+        q_rope_position = T.match_buffer(  # noqa: F841 (part of the signature)
+            var_q_rope_position, (qo_len,), "int32", elem_offset=q_rope_position_elem_offset
+        )
+        k_rope_pos_offset = T.match_buffer(  # noqa: F841
+            var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_pos_offset_elem_offset
+        )
+        output = T.match_buffer(var_output, (qo_len, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (qo_len, H_qo), "float32")
+        assert rotary_mode == 0, "mlcrun's prefill attention expects RoPE already applied"
+
+        for task in T.parallel(_tile_count(qo_len, batch_size, G) * H_kv):
+            with T.sblock("attn"):
+                T.reads()
+                T.writes()
+                where = T.sblock_alloc_buffer((3,), "int32")
+                _find_tile(
+                    where,
+                    q_indptr,
+                    batch_size,
+                    _balanced(task // H_kv, _tile_count(qo_len, batch_size, G)),
+                    G,
+                )
+                if where[0] >= 0:
+                    b: T.let[T.int32] = where[0]
+                    t: T.let[T.int32] = where[1]
+                    hk: T.let[T.int32] = task % H_kv
+                    q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                    kv_n: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
+                    kv_begin: T.let[T.int32] = kv_indptr[b]
+                    tile(
+                        q,
+                        output,
+                        lse,
+                        sm_scale,
+                        q_indptr[b],
+                        q_n,
+                        t,
+                        hk,
+                        kv_n,
+                        _causal_lim(causal, kv_n, q_n)(
+                            (T.min(t * LANES + LANES, q_n * G) - 1) // G
+                        ),
+                        _causal_lim(causal, kv_n, q_n),
+                        _no_order,
+                        _lim_visible,
+                        k,
+                        v,
+                        lambda which, c, cc, d: (kv_begin + c * KEYS + cc, hk, d),
+                    )
+
+    return batch_prefill_ragged_kv
+
+
+def prefill_paged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
+    """A chunk of new tokens per sequence attends to the sequence's cached (paged) K/V (no
+    sliding window; RoPE already applied); tiles of 16 rows."""
+    H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
+    G = H_qo // H_kv
+    tile = _row_tile(D, G, dtype)
+
+    @T.prim_func(s_tir=True)
+    def batch_prefill_paged_kv_cpu(
+        var_q: T.handle,
+        var_q_indptr: T.handle,
+        var_pages: T.handle,
+        var_page_indptr: T.handle,
+        var_page_values: T.handle,
+        var_length_info: T.handle,
+        var_k_rope_pos_offset: T.handle,
+        var_q_rope_position: T.handle,
+        var_output: T.handle,
+        var_lse: T.handle,
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch_size = T.int32()
+        total_len = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        q_indptr_elem_offset = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (total_len, H_qo, D), dtype)
+        q_indptr = T.match_buffer(
+            var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset
+        )
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, H_kv, PAGE, D), dtype)
+        page_indptr = T.match_buffer(
+            var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset
+        )
+        page_values = T.match_buffer(
+            var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset
+        )
+        k_rope_pos_offset = T.match_buffer(  # noqa: F841 (part of the signature)
+            var_k_rope_pos_offset,
+            (batch_size,),
+            "int32",
+            elem_offset=k_rope_pos_offset_elem_offset,
+        )
+        q_rope_position = T.match_buffer(  # noqa: F841
+            var_q_rope_position, (total_len,), "int32", elem_offset=q_rope_position_elem_offset
+        )
+        output = T.match_buffer(var_output, (total_len, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (total_len, H_qo), "float32")
+        last_page_len = T.match_buffer(
+            var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset
+        )
+        assert rotary_mode == 0, "mlcrun's prefill attention expects RoPE already applied"
+
+        for task in T.parallel(_tile_count(total_len, batch_size, G) * H_kv):
+            with T.sblock("attn"):
+                T.reads()
+                T.writes()
+                where = T.sblock_alloc_buffer((3,), "int32")
+                _find_tile(
+                    where,
+                    q_indptr,
+                    batch_size,
+                    _balanced(task // H_kv, _tile_count(total_len, batch_size, G)),
+                    G,
+                )
+                if where[0] >= 0:
+                    b: T.let[T.int32] = where[0]
+                    t: T.let[T.int32] = where[1]
+                    hk: T.let[T.int32] = task % H_kv
+                    q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                    page_begin: T.let[T.int32] = page_indptr[b]
+                    kv_n: T.let[T.int32] = T.if_then_else(
+                        page_indptr[b + 1] > page_begin,
+                        (page_indptr[b + 1] - page_begin - 1) * PAGE + last_page_len[b],
+                        0,
+                    )
+                    tile(
+                        q,
+                        output,
+                        lse,
+                        sm_scale,
+                        q_indptr[b],
+                        q_n,
+                        t,
+                        hk,
+                        kv_n,
+                        _causal_lim(causal, kv_n, q_n)(
+                            (T.min(t * LANES + LANES, q_n * G) - 1) // G
+                        ),
+                        _causal_lim(causal, kv_n, q_n),
+                        _no_order,
+                        _lim_visible,
+                        pages,
+                        pages,
+                        lambda which, c, cc, d: (page_values[page_begin + c], which, hk, cc, d),
+                    )
+
+    return batch_prefill_paged_kv_cpu
+
+
+def tree_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
+    """The nodes of each sequence's token tree attend to their ancestors among the new tokens
+    (TVM's `batch_tree_attn`, same signature; rotary_mode must be 0)."""
+    H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
+    G = H_qo // H_kv
+    tile = _row_tile(D, G, dtype)
+
+    @T.prim_func(s_tir=True)
+    def batch_tree_attn(
+        var_q: T.handle,
+        var_q_indptr: T.handle,
+        var_k: T.handle,
+        var_v: T.handle,
+        var_kv_indptr: T.handle,
+        var_q_rope_position: T.handle,
+        var_mn_indptr: T.handle,
+        var_mask: T.handle,
+        var_output: T.handle,
+        var_lse: T.handle,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        qo_len = T.int32()
+        kv_len = T.int32()
+        q_indptr_elem_offset = T.int32()
+        kv_indptr_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        mn_indptr_elem_offset = T.int32()
+        mask_elem_offset = T.int32()
+        tree_size = T.int32()
+        batch_size_plus_1 = T.int32()
+        q = T.match_buffer(var_q, (qo_len, H_qo, D), dtype)
+        q_indptr = T.match_buffer(
+            var_q_indptr, (batch_size_plus_1,), "int32", elem_offset=q_indptr_elem_offset
+        )
+        k = T.match_buffer(var_k, (kv_len, H_kv, D), dtype)
+        v = T.match_buffer(var_v, (kv_len, H_kv, D), dtype)
+        kv_indptr = T.match_buffer(
+            var_kv_indptr, (batch_size_plus_1,), "int32", elem_offset=kv_indptr_elem_offset
+        )
+        q_rope_position = T.match_buffer(  # noqa: F841 (part of the signature)
+            var_q_rope_position, (qo_len,), "int32", elem_offset=q_rope_position_elem_offset
+        )
+        mn_indptr = T.match_buffer(
+            var_mn_indptr, (batch_size_plus_1,), "int32", elem_offset=mn_indptr_elem_offset
+        )
+        mask = T.match_buffer(var_mask, (tree_size, 2), "int32", elem_offset=mask_elem_offset)
+        output = T.match_buffer(var_output, (qo_len, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (qo_len, H_qo), "float32")
+        assert rotary_mode == 0, "mlcrun's tree attention expects RoPE already applied"
+
+        for task in T.parallel(_tile_count(qo_len, batch_size_plus_1 - 1, G) * H_kv):
+            with T.sblock("attn"):
+                T.reads()
+                T.writes()
+                where = T.sblock_alloc_buffer((3,), "int32")
+                _find_tile(
+                    where,
+                    q_indptr,
+                    batch_size_plus_1 - 1,
+                    _balanced(task // H_kv, _tile_count(qo_len, batch_size_plus_1 - 1, G)),
+                    G,
+                )
+                if where[0] >= 0:
+                    b: T.let[T.int32] = where[0]
+                    t: T.let[T.int32] = where[1]
+                    hk: T.let[T.int32] = task % H_kv
+                    q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                    kv_n: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
+                    kv_begin: T.let[T.int32] = kv_indptr[b]
+                    tree_begin: T.let[T.int32] = mn_indptr[b]
+                    tree_n: T.let[T.int32] = mn_indptr[b + 1] - mn_indptr[b]
+                    tile(
+                        q,
+                        output,
+                        lse,
+                        sm_scale,
+                        q_indptr[b],
+                        q_n,
+                        t,
+                        hk,
+                        kv_n,
+                        kv_n,
+                        lambda tok: kv_n,
+                        lambda tok: mask[tree_begin + tok + tree_n - q_n, 0],
+                        _tree_visible(mask, tree_begin, kv_n - tree_n, kv_n),
+                        k,
+                        v,
+                        lambda which, c, cc, d: (kv_begin + c * KEYS + cc, hk, d),
+                    )
+
+    return batch_tree_attn
+
+
+def tree_paged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
+    """The nodes of each sequence's token tree attend to the sequence's cached K/V, the tree
+    itself being its last keys (TVM's `tree_attn_paged_kv_cpu`, same signature; used when the
+    tree's K/V were appended before attention)."""
+    H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
+    G = H_qo // H_kv
+    tile = _row_tile(D, G, dtype)
+
+    @T.prim_func(s_tir=True)
+    def tree_attn_paged_kv_cpu(
+        var_q: T.handle,
+        var_q_indptr: T.handle,
+        var_pages: T.handle,
+        var_page_indptr: T.handle,
+        var_page_values: T.handle,
+        var_length_info: T.handle,
+        var_k_rope_pos_offset: T.handle,
+        var_q_rope_position: T.handle,
+        var_output: T.handle,
+        var_lse: T.handle,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+        tree_order_indptr_handle: T.handle,
+        tree_order_handle: T.handle,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch_size = T.int32()
+        total_len = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        q_indptr_elem_offset = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        tree_order_elem_offset = T.int32()
+        tree_order_indptr_elem_offset = T.int32()
+        total_tree_order_len = T.int32()
+        q = T.match_buffer(var_q, (total_len, H_qo, D), dtype)
+        q_indptr = T.match_buffer(
+            var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset
+        )
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, H_kv, PAGE, D), dtype)
+        page_indptr = T.match_buffer(
+            var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset
+        )
+        page_values = T.match_buffer(
+            var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset
+        )
+        k_rope_pos_offset = T.match_buffer(  # noqa: F841 (part of the signature)
+            var_k_rope_pos_offset,
+            (batch_size,),
+            "int32",
+            elem_offset=k_rope_pos_offset_elem_offset,
+        )
+        q_rope_position = T.match_buffer(  # noqa: F841
+            var_q_rope_position, (total_len,), "int32", elem_offset=q_rope_position_elem_offset
+        )
+        output = T.match_buffer(var_output, (total_len, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (total_len, H_qo), "float32")
+        last_page_len = T.match_buffer(
+            var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset
+        )
+        tree_order_indptr = T.match_buffer(
+            tree_order_indptr_handle,
+            (batch_size + 1,),
+            "int32",
+            elem_offset=tree_order_indptr_elem_offset,
+        )
+        tree_order = T.match_buffer(
+            tree_order_handle,
+            (total_tree_order_len, 2),
+            "int32",
+            elem_offset=tree_order_elem_offset,
+        )
+        assert rotary_mode == 0, "mlcrun's tree attention expects RoPE already applied"
+
+        for task in T.parallel(_tile_count(total_len, batch_size, G) * H_kv):
+            with T.sblock("attn"):
+                T.reads()
+                T.writes()
+                where = T.sblock_alloc_buffer((3,), "int32")
+                _find_tile(
+                    where,
+                    q_indptr,
+                    batch_size,
+                    _balanced(task // H_kv, _tile_count(total_len, batch_size, G)),
+                    G,
+                )
+                if where[0] >= 0:
+                    b: T.let[T.int32] = where[0]
+                    t: T.let[T.int32] = where[1]
+                    hk: T.let[T.int32] = task % H_kv
+                    q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                    page_begin: T.let[T.int32] = page_indptr[b]
+                    kv_n: T.let[T.int32] = T.if_then_else(
+                        page_indptr[b + 1] > page_begin,
+                        (page_indptr[b + 1] - page_begin - 1) * PAGE + last_page_len[b],
+                        0,
+                    )
+                    tree_begin: T.let[T.int32] = tree_order_indptr[b]
+                    tree_n: T.let[T.int32] = tree_order_indptr[b + 1] - tree_order_indptr[b]
+                    tile(
+                        q,
+                        output,
+                        lse,
+                        sm_scale,
+                        q_indptr[b],
+                        q_n,
+                        t,
+                        hk,
+                        kv_n,
+                        kv_n,
+                        lambda tok: kv_n,
+                        lambda tok: tree_order[tree_begin + tok + tree_n - q_n, 0],
+                        _tree_visible(tree_order, tree_begin, kv_n - tree_n, kv_n),
+                        pages,
+                        pages,
+                        lambda which, c, cc, d: (page_values[page_begin + c], which, hk, cc, d),
+                    )
+
+    return tree_attn_paged_kv_cpu
+
+
+# ------------------------------------------------------------------------------- merge
+
+
+def merge_state(num_qo_heads: int, head_dim: int, dtype: str):
+    """Merge two partial attention results in place (TVM's `merge_state_inplace_cpu`, same
+    signature): rows in parallel, the head dimension vectorized, float32 math."""
+    H, D = num_qo_heads, head_dim
+
+    @T.prim_func(s_tir=True)
+    def merge_state_inplace_cpu(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        N = T.int32()
+        V = T.match_buffer(v, (N, H, D), dtype)
+        S = T.match_buffer(s, (N, H), "float32")
+        V_other = T.match_buffer(v_other, (N, H, D), dtype)
+        S_other = T.match_buffer(s_other, (N, H), "float32")
+        for n in T.parallel(N):
+            with T.sblock("merge"):
+                T.reads()
+                T.writes()
+                w = T.sblock_alloc_buffer((2,), "float32")
+                for h in T.serial(H):
+                    # weights of the two parts, relative to the larger lse (exact for -5e4)
+                    w[0] = T.exp2(S[n, h] - T.max(S[n, h], S_other[n, h]))
+                    w[1] = T.exp2(S_other[n, h] - T.max(S[n, h], S_other[n, h]))
+                    for d in T.vectorized(D):
+                        V[n, h, d] = (
+                            (
+                                V[n, h, d].astype("float32") * w[0]
+                                + V_other[n, h, d].astype("float32") * w[1]
+                            )
+                            / (w[0] + w[1])
+                        ).astype(dtype)
+                    S[n, h] = T.log2(w[0] + w[1]) + T.max(S[n, h], S_other[n, h])
+
+    return merge_state_inplace_cpu

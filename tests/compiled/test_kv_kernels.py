@@ -1,0 +1,341 @@
+"""mlcrun's KV-cache attention kernels (compiler/kv_attention.py) against numpy, on odd shapes.
+
+Each kernel is compiled on its own for the host CPU and called as the paged KV cache calls it:
+ragged sequences of odd lengths, partly filled and scattered pages whose unused slots (and
+unused pages) hold NaN, GQA groups of 1, 2, 3 and 8, head dims 16, 32 and 64, float32 and
+float16 storage. The reference is float64 numpy: softmax(q k^T * sm_scale) v and the
+log2-sum-exp of the scaled scores, as TVM's kernels define them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+
+from mlcrun.compiler import kv_attention as A  # noqa: E402
+from mlcrun.compiler.target import cpu_target  # noqa: E402
+
+RNG = np.random.default_rng(0)
+SHAPES = [(4, 2, 16), (6, 2, 32), (8, 1, 16), (3, 3, 32), (9, 3, 64)]  # (H_qo, H_kv, D)
+DTYPES = ["float32", "float16"]
+TOL = {"float32": 2e-5, "float16": 2e-3}  # float16: the output row is rounded to float16
+
+_built: dict = {}
+
+
+def _build(factory, shape, dtype):
+    key = (factory.__name__, shape, dtype)
+    if key not in _built:
+        h_qo, h_kv, d = shape
+        func = factory(h_kv, h_qo, d, dtype).with_attr("global_symbol", "main")
+        _built[key] = tvm.compile(tvm.IRModule({"main": func}), target=cpu_target())["main"]
+    return _built[key]
+
+
+def _t(a):
+    return tvm.runtime.tensor(np.ascontiguousarray(a))
+
+
+def _ref(q, k, v, visible, scale):
+    """q [n, H, D], k/v [m, Hkv, D], visible [n, m] -> out [n, H, D], lse [n, H] (float64)."""
+    n, h_qo, _ = q.shape
+    group = h_qo // k.shape[1]
+    out = np.zeros(q.shape)
+    lse = np.full((n, h_qo), -5e4)
+    for h in range(h_qo):
+        scores = q[:, h].astype(np.float64) @ k[:, h // group].astype(np.float64).T * scale
+        scores = np.where(visible, scores, -np.inf)
+        for i in range(n):
+            if not visible[i].any():
+                continue
+            top = scores[i].max()
+            p = np.exp(scores[i] - top)
+            out[i, h] = p @ v[:, h // group].astype(np.float64) / p.sum()
+            lse[i, h] = (top + np.log(p.sum())) / np.log(2)
+    return out, lse
+
+
+def _pages(kv_lens, h_kv, d, dtype):
+    """Each sequence's K/V [len, Hkv, D] and a page pool holding them on shuffled pages, with
+    NaN in every slot no sequence uses."""
+    counts = [(n + A.PAGE - 1) // A.PAGE for n in kv_lens]
+    total = sum(counts) + 3
+    pool = np.full((total, 2, h_kv, A.PAGE, d), np.nan, dtype)
+    order = RNG.permutation(total)[: sum(counts)].astype(np.int32)
+    keys, values, indptr, last = [], [], [0], []
+    for n, count in zip(kv_lens, counts, strict=True):
+        k = RNG.standard_normal((n, h_kv, d)).astype(dtype)
+        v = RNG.standard_normal((n, h_kv, d)).astype(dtype)
+        for j in range(n):
+            page = order[indptr[-1] + j // A.PAGE]
+            pool[page, 0, :, j % A.PAGE] = k[j]
+            pool[page, 1, :, j % A.PAGE] = v[j]
+        keys.append(k)
+        values.append(v)
+        indptr.append(indptr[-1] + count)
+        last.append(n - (count - 1) * A.PAGE if count else 0)
+    return pool, order, np.array(indptr, np.int32), np.array(last, np.int32), keys, values
+
+
+def _dfs_order(parents):
+    """TVM's tree mask: per node [first, end) of its DFS interval (roots in order)."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    order = np.zeros((len(parents), 2), np.int32)
+    count = 0
+
+    def visit(node):
+        nonlocal count
+        order[node, 0] = count
+        count += 1
+        end = count
+        for child in children.get(node, []):
+            end = max(end, visit(child))
+        order[node, 1] = end
+        return end
+
+    for root in children.get(-1, []):
+        visit(root)
+    return order
+
+
+def _ancestors(parents):
+    """[n, n]: node i sees node j (j is i or an ancestor of i)."""
+    n = len(parents)
+    seen = np.zeros((n, n), bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            seen[i, j] = True
+            j = parents[j]
+    return seen
+
+
+def _check(out, lse, want, dtype, rows=None):
+    out, lse = out.numpy().astype(np.float64), lse.numpy()
+    rows = slice(None) if rows is None else rows
+    assert np.isfinite(out[rows]).all()
+    np.testing.assert_allclose(out[rows], want[0][rows], atol=TOL[dtype], rtol=0)
+    np.testing.assert_allclose(lse[rows], want[1][rows], atol=TOL[dtype] * 10, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode(shape, dtype):
+    h_qo, h_kv, d = shape
+    kv_lens = [1, 16, 37, 0, 100]  # one page exactly, a partial page, an empty sequence
+    pool, values, indptr, last, keys, vals = _pages(kv_lens, h_kv, d, dtype)
+    q = RNG.standard_normal((len(kv_lens), h_qo, d)).astype(dtype)
+    out = _t(np.zeros(q.shape, dtype))
+    lse = _t(np.zeros(q.shape[:2], np.float32))
+    zeros = _t(np.zeros(len(kv_lens), np.int32))
+    scale = d**-0.5
+    f = _build(A.decode_attention, shape, dtype)
+    f(_t(q), _t(pool), _t(indptr), _t(values), _t(last), zeros, zeros, out, lse, 0, 1.0, 1e4, scale)
+    for b, n in enumerate(kv_lens):
+        want = _ref(q[b : b + 1], keys[b], vals[b], np.ones((1, n), bool), scale)
+        _check(
+            out,
+            lse,
+            (np.pad(want[0], ((b, 0), (0, 0), (0, 0))), np.pad(want[1], ((b, 0), (0, 0)))),
+            dtype,
+            b,
+        )
+
+
+@pytest.mark.parametrize("causal", [1, 0])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_ragged(shape, dtype, causal):
+    h_qo, h_kv, d = shape
+    lens = [5, 1, 33, 16, 18]
+    n = sum(lens)
+    q = RNG.standard_normal((n, h_qo, d)).astype(dtype)
+    k = RNG.standard_normal((n, h_kv, d)).astype(dtype)
+    v = RNG.standard_normal((n, h_kv, d)).astype(dtype)
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    out = _t(np.zeros(q.shape, dtype))
+    lse = _t(np.zeros(q.shape[:2], np.float32))
+    scale = d**-0.5
+    f = _build(A.prefill_ragged_attention, shape, dtype)
+    f(
+        _t(q),
+        _t(indptr),
+        _t(k),
+        _t(v),
+        _t(indptr),
+        _t(np.zeros(n, np.int32)),
+        _t(np.zeros(len(lens), np.int32)),
+        out,
+        lse,
+        causal,
+        0,
+        1.0,
+        1e4,
+        scale,
+    )
+    want_out, want_lse = np.zeros(q.shape), np.zeros(q.shape[:2])
+    for b, m in enumerate(lens):
+        rows = slice(indptr[b], indptr[b + 1])
+        visible = np.tril(np.ones((m, m), bool)) if causal else np.ones((m, m), bool)
+        want_out[rows], want_lse[rows] = _ref(q[rows], k[rows], v[rows], visible, scale)
+    _check(out, lse, (want_out, want_lse), dtype)
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_paged(shape, dtype, causal):
+    h_qo, h_kv, d = shape
+    kv_lens = [40, 7, 0, 16, 70]
+    q_lens = [5, 7, 0, 3, 20]  # causal: the rows are the sequence's last keys
+    pool, values, indptr, last, keys, vals = _pages(kv_lens, h_kv, d, dtype)
+    n = sum(q_lens)
+    q = RNG.standard_normal((n, h_qo, d)).astype(dtype)
+    q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    out = _t(np.zeros(q.shape, dtype))
+    lse = _t(np.zeros(q.shape[:2], np.float32))
+    scale = d**-0.5
+    f = _build(A.prefill_paged_attention, shape, dtype)
+    zeros = _t(np.zeros(len(kv_lens), np.int32))
+    f(
+        _t(q),
+        _t(q_indptr),
+        _t(pool),
+        _t(indptr),
+        _t(values),
+        _t(last),
+        zeros,
+        _t(np.zeros(n, np.int32)),
+        out,
+        lse,
+        causal,
+        0,
+        1.0,
+        1e4,
+        scale,
+    )
+    want_out, want_lse = np.zeros(q.shape), np.zeros(q.shape[:2])
+    for b, (m, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        rows = slice(q_indptr[b], q_indptr[b + 1])
+        visible = np.ones((m, kv), bool)
+        if causal:
+            visible = np.arange(kv)[None, :] <= (kv - m + np.arange(m))[:, None]
+        want_out[rows], want_lse[rows] = _ref(q[rows], keys[b], vals[b], visible, scale)
+    _check(out, lse, (want_out, want_lse), dtype)
+
+
+TREES = [
+    [-1, 0, 0, 1, 1, 2, -1, 6],  # two roots, branching
+    [-1],
+    [-1, 0, 1, 2, 3],  # a chain
+    [-1] + [0] * 20,  # 20 alternatives after the root: more than one tile
+    [-1, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],  # two long branches
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tree_ragged(shape, dtype):
+    h_qo, h_kv, d = shape
+    lens = [len(p) for p in TREES]
+    n = sum(lens)
+    q = RNG.standard_normal((n, h_qo, d)).astype(dtype)
+    k = RNG.standard_normal((n, h_kv, d)).astype(dtype)
+    v = RNG.standard_normal((n, h_kv, d)).astype(dtype)
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    mask = np.concatenate([_dfs_order(p) for p in TREES])
+    out = _t(np.zeros(q.shape, dtype))
+    lse = _t(np.zeros(q.shape[:2], np.float32))
+    scale = d**-0.5
+    f = _build(A.tree_ragged_attention, shape, dtype)
+    f(
+        _t(q),
+        _t(indptr),
+        _t(k),
+        _t(v),
+        _t(indptr),
+        _t(np.zeros(n, np.int32)),
+        _t(indptr),
+        _t(mask),
+        out,
+        lse,
+        0,
+        1.0,
+        1e4,
+        scale,
+    )
+    want_out, want_lse = np.zeros(q.shape), np.zeros(q.shape[:2])
+    for b, parents in enumerate(TREES):
+        rows = slice(indptr[b], indptr[b + 1])
+        want_out[rows], want_lse[rows] = _ref(q[rows], k[rows], v[rows], _ancestors(parents), scale)
+    _check(out, lse, (want_out, want_lse), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tree_paged(shape, dtype):
+    h_qo, h_kv, d = shape
+    history = [9, 0, 32, 3, 40]
+    kv_lens = [h + len(p) for h, p in zip(history, TREES, strict=True)]
+    pool, values, indptr, last, keys, vals = _pages(kv_lens, h_kv, d, dtype)
+    lens = [len(p) for p in TREES]
+    n = sum(lens)
+    q = RNG.standard_normal((n, h_qo, d)).astype(dtype)
+    q_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    mask = np.concatenate([_dfs_order(p) for p in TREES])
+    out = _t(np.zeros(q.shape, dtype))
+    lse = _t(np.zeros(q.shape[:2], np.float32))
+    scale = d**-0.5
+    f = _build(A.tree_paged_attention, shape, dtype)
+    zeros = _t(np.zeros(len(lens), np.int32))
+    f(
+        _t(q),
+        _t(q_indptr),
+        _t(pool),
+        _t(indptr),
+        _t(values),
+        _t(last),
+        zeros,
+        _t(np.zeros(n, np.int32)),
+        out,
+        lse,
+        0,
+        1.0,
+        1e4,
+        scale,
+        _t(q_indptr),
+        _t(mask),
+    )
+    want_out, want_lse = np.zeros(q.shape), np.zeros(q.shape[:2])
+    for b, parents in enumerate(TREES):
+        rows = slice(q_indptr[b], q_indptr[b + 1])
+        m = len(parents)
+        visible = np.concatenate([np.ones((m, history[b]), bool), _ancestors(parents)], axis=1)
+        want_out[rows], want_lse[rows] = _ref(q[rows], keys[b], vals[b], visible, scale)
+    _check(out, lse, (want_out, want_lse), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_state(dtype):
+    n, h, d = 37, 6, 32
+    v = RNG.standard_normal((n, h, d)).astype(dtype)
+    other = RNG.standard_normal((n, h, d)).astype(dtype)
+    s = RNG.uniform(-4, 4, (n, h)).astype(np.float32)
+    s_other = RNG.uniform(-4, 4, (n, h)).astype(np.float32)
+    s[0], s_other[1] = -5e4, -5e4  # an empty part weighs nothing
+    w, w_other = np.exp2(s.astype(np.float64)), np.exp2(s_other.astype(np.float64))
+    want = (v * w[..., None] + other * w_other[..., None]) / (w + w_other)[..., None]
+    want_s = np.log2(w + w_other)
+    want_s[0], want_s[1] = s_other[0], s[1]
+    f = tvm.compile(
+        tvm.IRModule({"main": A.merge_state(h, d, dtype).with_attr("global_symbol", "main")}),
+        target=cpu_target(),
+    )["main"]
+    tv, ts = _t(v), _t(s)
+    f(tv, ts, _t(other), _t(s_other))
+    np.testing.assert_allclose(tv.numpy().astype(np.float64), want, atol=TOL[dtype], rtol=0)
+    np.testing.assert_allclose(ts.numpy(), want_s, atol=1e-5, rtol=0)
