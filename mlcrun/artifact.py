@@ -73,6 +73,8 @@ class Artifact:
     # A self-draft (compiler/draft.py): the params_sha256 of the artifact its weights came from.
     draft_of: str | None = None
     format_version: int = FORMAT_VERSION
+    # `mlcrun compile --kv-dtype`: the paged KV cache's dtype ("float32" for older artifacts).
+    kv_dtype: str = "float32"
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -90,8 +92,11 @@ class Artifact:
         return cls(**data)
 
     def library_metadata(self) -> dict[str, Any]:
-        """What the .so embeds about itself; checked against this file at load."""
+        """What the .so embeds about itself; checked at load. `kv_dtype` is named only when
+        not "float32", so libraries compiled before the option existed still match."""
+        extra = {} if self.kv_dtype == "float32" else {"kv_dtype": self.kv_dtype}
         return {
+            **extra,
             "abi_version": self.abi_version,
             "arch": self.model["arch"],
             "quantization": self.quantization,

@@ -22,6 +22,12 @@ def compile_command(
         help="Weight format (see --list-quantizations); auto keeps the checkpoint's own.",
     ),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    kv_dtype: str = typer.Option(
+        "float32",
+        "--kv-dtype",
+        help="KV-cache dtype: float32, or float16 (half the KV memory; attention still "
+        "computes in float32).",
+    ),
     context_window: int = typer.Option(
         None,
         "--context-window",
@@ -69,6 +75,7 @@ def compile_command(
         prefill_chunk=prefill_chunk,
         max_batch=max_batch,
         page_size=page_size,
+        kv_dtype=kv_dtype,
     )
     if draft_quantization is not None:
         from ..compiler import draft

@@ -57,7 +57,7 @@ def compile_model(
     source = checkpoint.open_source()
     quantization = resolve_quantization(options.quantization, source)
     progress.phase("Exporting model")
-    mod, params = export_model(cfg, target, quantization)
+    mod, params = export_model(cfg, target, quantization, options.kv_dtype)
     wmap.check(source, float_param_names(params))
     progress.done()
 
@@ -83,6 +83,7 @@ def compile_model(
             tokenizer_files=_copy_tokenizer(folder, tmp),
             chat_template=_chat_template(folder),
             generation=_generation_defaults(folder),
+            kv_dtype=options.kv_dtype,
         )
 
     return write_artifact(out, mod, target, fill, progress)

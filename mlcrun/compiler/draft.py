@@ -191,6 +191,7 @@ def _options(art: artifact.Artifact, quantization: str) -> CompileOptions:
         prefill_chunk=art.prefill_chunk,
         max_batch=art.max_batch,
         page_size=art.page_size,
+        kv_dtype=art.kv_dtype,
     )
 
 
@@ -249,7 +250,8 @@ def build_draft(
     artifact.verify_params(target, art)  # the draft records this hash: it must be these params
     tvm_target = tvm.target.Target(art.target)
     progress.phase("Exporting model")
-    mod, params = export_model(ModelConfig.from_dict(art.model), tvm_target, quantization)
+    cfg = ModelConfig.from_dict(art.model)
+    mod, params = export_model(cfg, tvm_target, quantization, art.kv_dtype)
     source = ArtifactTensors(target, art)
     wmap = WeightMap(tuple(ParamRule(n, (n,), (source.shape(n),)) for n in source.names()))
     wmap.check(source, float_param_names(params))

@@ -18,17 +18,21 @@ from .workarounds import fix_tree_attn_order
 
 
 def export_model(
-    cfg: ModelConfig, target: tvm.target.Target, quantization: str = "q0f32"
+    cfg: ModelConfig,
+    target: tvm.target.Target,
+    quantization: str = "q0f32",
+    kv_dtype: str = "float32",
 ) -> tuple[tvm.IRModule, list[tuple[str, tuple[int, ...], str]]]:
     """The IRModule and its params as (name, shape, dtype), in the order functions take them.
     With a quantization preset, Linear/Embedding layers are rewritten first (quant/modules.py),
-    so the params are the quantized ones (e.g. `X.q_weight`, `X.q_scale` for `X.weight`)."""
+    so the params are the quantized ones (e.g. `X.q_weight`, `X.q_scale` for `X.weight`);
+    `kv_dtype` is the paged KV cache's dtype (compile --kv-dtype)."""
     with target:
-        model = quantize_model(DecoderLM(cfg), get_preset(quantization))
+        model = quantize_model(DecoderLM(cfg, kv_dtype), get_preset(quantization))
         mod, params = model.export_tvm(spec=model.get_default_spec())
     mod = fix_tree_attn_order(mod)
     if target.kind.name == "llvm":
-        mod = replace_kv_kernels(mod, cfg)
+        mod = replace_kv_kernels(mod, cfg, kv_dtype)
     infos = [(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in params]
     return mod, infos
 

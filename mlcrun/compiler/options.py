@@ -10,6 +10,9 @@ from ..quant import PRESETS, get_preset
 # "auto": the preset that holds the checkpoint's stored weights exactly (compiler/params.py)
 QUANTIZATIONS = ("auto", *PRESETS)
 DEVICES = ("cpu", "cuda")
+# The paged KV cache's dtype: float16 halves its memory and what decode attention reads
+# (attention computes in float32 either way; compiler/kv_attention.py).
+KV_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class CompileOptions:
     prefill_chunk: int = 512
     max_batch: int = 16
     page_size: int = 16
+    kv_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.quantization != "auto":
@@ -32,6 +36,11 @@ class CompileOptions:
                 ) from None
         if self.device not in DEVICES:
             raise MlcrunError(f"--device {self.device!r} is not supported; choose cpu or cuda")
+        if self.kv_dtype not in KV_DTYPES:
+            raise MlcrunError(
+                f"--kv-dtype {self.kv_dtype!r} is not available; choose from: "
+                f"{', '.join(KV_DTYPES)}"
+            )
         for name in ("prefill_chunk", "max_batch", "page_size"):
             if getattr(self, name) <= 0:
                 raise MlcrunError(f"--{name.replace('_', '-')} must be positive")

@@ -18,7 +18,8 @@ from .config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kv_dtype: str = "float32"):
+        self.kv_dtype = kv_dtype  # the KV cache's dtype: q/k/v go in and come out in it
         self.num_q = cfg.num_attention_heads
         self.num_kv = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -37,7 +38,11 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k, v = op.split(qkv, [self.num_q, self.num_q + self.num_kv], axis=2)
             qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+        if qkv.dtype != self.kv_dtype:  # TVM's cache takes and returns rows of its own dtype
+            qkv = qkv.astype(self.kv_dtype)
         out = kv.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.head_dim**-0.5)
+        if out.dtype != x.dtype:
+            out = out.astype(x.dtype)
         return self.o_proj(op.reshape(out, (b, s, self.num_q * self.head_dim)))
 
 
@@ -52,9 +57,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kv_dtype: str = "float32"):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, kv_dtype)
         self.post_attention_layernorm = nn.RMSNorm(
             cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False
         )
@@ -66,9 +71,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kv_dtype: str = "float32"):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [DecoderLayer(cfg, kv_dtype) for _ in range(cfg.num_hidden_layers)]
+        )
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
 
     def forward(self, x: Tensor, kv: PagedKVCache) -> Tensor:
@@ -78,11 +85,13 @@ class DecoderModel(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """The exported model: its methods are the library's ABI (see compiler/abi.py)."""
+    """The exported model: its methods are the library's ABI (see compiler/abi.py).
+    `kv_dtype` is the paged KV cache's dtype (float32, or float16 to halve its memory)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kv_dtype: str = "float32"):
         self.cfg = cfg
-        self.model = DecoderModel(cfg)
+        self.kv_dtype = kv_dtype
+        self.model = DecoderModel(cfg, kv_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -155,10 +164,10 @@ class DecoderLM(nn.Module):
             target=tvm_target(),
         )
 
-    kv_dtype = "float32"
+    activation_dtype = "float32"
 
     def get_default_spec(self) -> nn.spec.ModuleSpec:
-        hidden, dtype = self.cfg.hidden_size, self.kv_dtype
+        hidden, dtype = self.cfg.hidden_size, self.activation_dtype
         packed = {"param_mode": "packed", "effect_mode": "none"}
         kv = nn.spec.Object(object_type=PagedKVCache)
         spec = {

@@ -98,6 +98,7 @@ class Model:
             "prefill_chunk": a.prefill_chunk,
             "max_batch": a.max_batch,
             "page_size": a.page_size,
+            "kv_dtype": a.kv_dtype,
             "sliding_window": self.config.sliding_window,
             "num_threads": self.num_threads,
             "kv_cache": dict(self._kv_settings),  # as last created (empty before)
@@ -110,7 +111,8 @@ class Model:
     @property
     def kv_bytes_per_token(self) -> int:
         c = self.config
-        return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4  # fp32 K and V
+        itemsize = 2 if self.artifact.kv_dtype == "float16" else 4  # compile --kv-dtype
+        return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * itemsize
 
     # ---------------------------------------------------------------- kv cache
     def create_kv_cache(
