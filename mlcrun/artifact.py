@@ -73,6 +73,9 @@ class Artifact:
     # A self-draft (compiler/draft.py): the params_sha256 of the artifact its weights came from.
     draft_of: str | None = None
     format_version: int = FORMAT_VERSION
+    # `mlcrun compile --activations`, resolved: "int8" (q4/q8 matmuls on int8 activations, their
+    # params in the int8 kernels' layout) or "exact" (float32 activations; older artifacts).
+    activations: str = "exact"
     # `mlcrun compile --kv-dtype`: the paged KV cache's dtype ("float32" for older artifacts).
     kv_dtype: str = "float32"
 
@@ -92,9 +95,12 @@ class Artifact:
         return cls(**data)
 
     def library_metadata(self) -> dict[str, Any]:
-        """What the .so embeds about itself; checked at load. `kv_dtype` is named only when
-        not "float32", so libraries compiled before the option existed still match."""
-        extra = {} if self.kv_dtype == "float32" else {"kv_dtype": self.kv_dtype}
+        """What the .so embeds about itself; checked at load. `activations` and `kv_dtype` are
+        named only when not "exact" / "float32", so libraries compiled before the options
+        existed still match."""
+        extra = {} if self.activations == "exact" else {"activations": self.activations}
+        if self.kv_dtype != "float32":
+            extra["kv_dtype"] = self.kv_dtype
         return {
             **extra,
             "abi_version": self.abi_version,

@@ -22,6 +22,12 @@ def compile_command(
         help="Weight format (see --list-quantizations); auto keeps the checkpoint's own.",
     ),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    activations: str = typer.Option(
+        "auto",
+        "--activations",
+        help="q4/q8 matmuls: int8 (activations quantized per 32, VNNI dot products), exact "
+        "(float32 activations, results exact in fp32), or auto (int8 where the CPU has VNNI).",
+    ),
     kv_dtype: str = typer.Option(
         "float32",
         "--kv-dtype",
@@ -75,6 +81,7 @@ def compile_command(
         prefill_chunk=prefill_chunk,
         max_batch=max_batch,
         page_size=page_size,
+        activations=activations,
         kv_dtype=kv_dtype,
     )
     if draft_quantization is not None:

@@ -19,7 +19,7 @@ from ..models import registry
 from ..models.config import ModelConfig
 from ..weights.checkpoint import open_checkpoint
 from .export import attach_metadata, export_model
-from .options import DEFAULT_CONTEXT_CAP, CompileOptions
+from .options import DEFAULT_CONTEXT_CAP, CompileOptions, resolve_activations
 from .params import float_param_names, resolve_quantization, write_params
 from .progress import NullProgress, Progress
 from .target import resolve_target
@@ -56,13 +56,14 @@ def compile_model(
     target = resolve_target(options.device)
     source = checkpoint.open_source()
     quantization = resolve_quantization(options.quantization, source)
+    activations = resolve_activations(options.activations, target, quantization)
     progress.phase("Exporting model")
-    mod, params = export_model(cfg, target, quantization, options.kv_dtype)
+    mod, params = export_model(cfg, target, quantization, activations, options.kv_dtype)
     wmap.check(source, float_param_names(params))
     progress.done()
 
     def fill(tmp: Path) -> artifact.Artifact:
-        files = write_params(tmp, source, wmap, params, quantization, progress)
+        files = write_params(tmp, source, wmap, params, quantization, progress, activations)
         return artifact.Artifact(
             model=cfg.to_dict(),
             quantization=quantization,
@@ -83,6 +84,7 @@ def compile_model(
             tokenizer_files=_copy_tokenizer(folder, tmp),
             chat_template=_chat_template(folder),
             generation=_generation_defaults(folder),
+            activations=activations,
             kv_dtype=options.kv_dtype,
         )
 

@@ -41,11 +41,11 @@ from ..errors import MlcrunError
 from ..models.config import ModelConfig
 from ..paths import drafts_dir
 from ..quant import PRESETS, QuantPreset, get_preset, numpy_ref
-from ..quant.transform import float_param_name
+from ..quant.transform import dequantize_params, float_param_name, preset_for
 from ..weights.mapping import ParamRule, WeightMap
 from .build import _fingerprint, write_artifact
 from .export import export_model
-from .options import CompileOptions
+from .options import CompileOptions, resolve_activations
 from .params import float_param_names, write_params
 from .progress import NullProgress, Progress
 
@@ -123,6 +123,7 @@ class ArtifactTensors:
 
     def __init__(self, folder: Path, art: artifact.Artifact) -> None:
         self.folder = Path(folder)
+        self._preset, self._activations = get_preset(art.quantization), art.activations
         self._info = {p.name: p for p in art.params}
         self._file: dict[str, Path] = {}
         for name in art.param_files:
@@ -161,10 +162,9 @@ class ArtifactTensors:
         if name in self._info:
             return np.ascontiguousarray(self._read(name), dtype=np.float32)
         prefix = name[: -len("weight")]
-        codes, scale = self._read(prefix + "q_weight"), self._read(prefix + "q_scale")
-        if prefix + "q_min" in self._info:
-            return numpy_ref.dequantize_q4(codes, scale, self._read(prefix + "q_min"))
-        return numpy_ref.dequantize_q8(codes, scale)
+        suffixes = ("q_weight", "q_scale", "q_min")
+        params = {prefix + s: self._read(prefix + s) for s in suffixes if prefix + s in self._info}
+        return dequantize_params(preset_for(self._preset, name), params, self._activations)
 
 
 class _DraftProgress:
@@ -191,6 +191,7 @@ def _options(art: artifact.Artifact, quantization: str) -> CompileOptions:
         prefill_chunk=art.prefill_chunk,
         max_batch=art.max_batch,
         page_size=art.page_size,
+        activations="auto",  # the draft's own preset decides (build_draft)
         kv_dtype=art.kv_dtype,
     )
 
@@ -251,14 +252,17 @@ def build_draft(
     tvm_target = tvm.target.Target(art.target)
     progress.phase("Exporting model")
     cfg = ModelConfig.from_dict(art.model)
-    mod, params = export_model(cfg, tvm_target, quantization, art.kv_dtype)
+    # The draft's q4/q8 layers run on int8 activations where the CPU has VNNI, whatever the
+    # target's (a q0f32 target has none): a draft is for speed, and the target checks it.
+    activations = resolve_activations("auto", tvm_target, quantization)
+    mod, params = export_model(cfg, tvm_target, quantization, activations, art.kv_dtype)
     source = ArtifactTensors(target, art)
     wmap = WeightMap(tuple(ParamRule(n, (n,), (source.shape(n),)) for n in source.names()))
     wmap.check(source, float_param_names(params))
     progress.done()
 
     def fill(tmp: Path) -> artifact.Artifact:
-        files = write_params(tmp, source, wmap, params, quantization, progress)
+        files = write_params(tmp, source, wmap, params, quantization, progress, activations)
         for name in art.tokenizer_files:
             shutil.copy2(target / name, tmp / name)
         return replace(
@@ -274,6 +278,7 @@ def build_draft(
             source_fingerprint=fingerprint,
             draft_of=art.params_sha256,
             format_version=artifact.FORMAT_VERSION,
+            activations=activations,
         )
 
     return write_artifact(out, mod, tvm_target, fill, progress)

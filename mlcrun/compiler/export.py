@@ -21,14 +21,16 @@ def export_model(
     cfg: ModelConfig,
     target: tvm.target.Target,
     quantization: str = "q0f32",
+    activations: str = "exact",
     kv_dtype: str = "float32",
 ) -> tuple[tvm.IRModule, list[tuple[str, tuple[int, ...], str]]]:
     """The IRModule and its params as (name, shape, dtype), in the order functions take them.
     With a quantization preset, Linear/Embedding layers are rewritten first (quant/modules.py),
     so the params are the quantized ones (e.g. `X.q_weight`, `X.q_scale` for `X.weight`);
+    `activations="int8"` makes q4/q8 layers quantize their inputs (compile --activations);
     `kv_dtype` is the paged KV cache's dtype (compile --kv-dtype)."""
     with target:
-        model = quantize_model(DecoderLM(cfg, kv_dtype), get_preset(quantization))
+        model = quantize_model(DecoderLM(cfg, kv_dtype), get_preset(quantization), activations)
         mod, params = model.export_tvm(spec=model.get_default_spec())
     mod = fix_tree_attn_order(mod)
     if target.kind.name == "llvm":

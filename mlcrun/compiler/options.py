@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import MlcrunError
-from ..quant import PRESETS, get_preset
+from ..quant import ACTIVATIONS, PRESETS, get_preset, uses_int8
 
 # "auto": the preset that holds the checkpoint's stored weights exactly (compiler/params.py)
 QUANTIZATIONS = ("auto", *PRESETS)
 DEVICES = ("cpu", "cuda")
+# How q4/q8 matmuls treat activations (quant/presets.py): "auto" is int8 where the target has
+# VNNI (AVX512-VNNI or AVX-VNNI), exact (float32) elsewhere and on CUDA.
+ACTIVATION_CHOICES = ("auto", *ACTIVATIONS)
 # The paged KV cache's dtype: float16 halves its memory and what decode attention reads
 # (attention computes in float32 either way; compiler/kv_attention.py).
 KV_DTYPES = ("float32", "float16")
@@ -23,6 +26,7 @@ class CompileOptions:
     prefill_chunk: int = 512
     max_batch: int = 16
     page_size: int = 16
+    activations: str = "auto"
     kv_dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -36,6 +40,13 @@ class CompileOptions:
                 ) from None
         if self.device not in DEVICES:
             raise MlcrunError(f"--device {self.device!r} is not supported; choose cpu or cuda")
+        if self.activations not in ACTIVATION_CHOICES:
+            raise MlcrunError(
+                f"--activations {self.activations!r} is not available; choose from: "
+                f"{', '.join(ACTIVATION_CHOICES)}"
+            )
+        if self.activations == "int8" and self.device != "cpu":
+            raise MlcrunError("--activations int8 is for --device cpu (VNNI); use exact or auto")
         if self.kv_dtype not in KV_DTYPES:
             raise MlcrunError(
                 f"--kv-dtype {self.kv_dtype!r} is not available; choose from: "
@@ -54,3 +65,24 @@ class CompileOptions:
 
 
 DEFAULT_CONTEXT_CAP = 8192
+
+
+def resolve_activations(requested: str, target, quantization: str) -> str:
+    """What the artifact records and its q4/q8 layers run: `auto` -> "int8" when `target` (a
+    tvm Target) has VNNI, else "exact"; "int8" on a target without VNNI is refused (its kernels
+    would run the slow reference code). A preset without q4/q8 layers (q0f32, q0f16) resolves
+    to "exact" whatever was asked: nothing in it would change."""
+    from .target import int8_dot_bits  # noqa: PLC0415 - imports TVM
+
+    preset = get_preset(quantization)
+    if not (uses_int8(preset, "int8") or uses_int8(preset.for_embedding, "int8")):
+        return "exact"
+    bits = int8_dot_bits(target)
+    if requested == "auto":
+        return "int8" if bits else "exact"
+    if requested == "int8" and not bits:
+        raise MlcrunError(
+            "--activations int8 needs a CPU with AVX512-VNNI or AVX-VNNI; this target has "
+            "neither (use --activations exact)"
+        )
+    return requested

@@ -22,7 +22,7 @@ from ..errors import MlcrunError
 from ..quant import QuantPreset, get_preset
 from ..quant.gguf_blocks import auto_preset, exact_params
 from ..quant.modules import float_param_name, weight_transform
-from ..quant.transform import is_embedding_weight, preset_for
+from ..quant.transform import is_embedding_weight, preset_for, to_layout
 from ..weights.mapping import ParamRule, TensorSource, WeightMap, convert_rule, is_row_wise
 
 log = logging.getLogger(__name__)
@@ -68,10 +68,17 @@ def exact_rule_params(preset: QuantPreset, rule: ParamRule, source) -> dict | No
 
 
 def write_params(
-    tmp: Path, source, wmap: WeightMap, params, quantization: str, progress
+    tmp: Path,
+    source,
+    wmap: WeightMap,
+    params,
+    quantization: str,
+    progress,
+    activations: str = "exact",
 ) -> list[Path]:
     """Produce every param (exactly where possible) and write the shards, each array checked
-    against the exported params' names, shapes and dtypes."""
+    against the exported params' names, shapes and dtypes; q4/q8 params in the layout of the
+    kernels for `activations` (the same values either way)."""
     preset = get_preset(quantization)
     expected = {name: (shape, dtype) for name, shape, dtype in params}
     wanted = set(float_param_names(params))
@@ -92,8 +99,9 @@ def write_params(
             continue
         arrays = exact_rule_params(preset, rule, source)
         if arrays is None:
-            arrays = weight_transform(preset, rule.name, convert_rule(source, rule))
-        else:
+            arrays = weight_transform(preset, rule.name, convert_rule(source, rule), activations)
+        else:  # row-major blocks of all the rule's sources: reorder once they are stacked
+            arrays = to_layout(preset_for(preset, rule.name), arrays, activations)
             exact += 1
         for name, array in arrays.items():
             if name not in expected:

@@ -100,6 +100,17 @@ def vector_bits(target: Target) -> int:
     return width if width and width > 0 else 128
 
 
+def int8_dot_bits(target: Target) -> int:
+    """Width of the int8 dot product (vpdpbusd) the target can run: 512 with AVX512-VNNI, 256
+    with AVX-VNNI only (VEX, ymm), 0 without either (or not an x86 llvm target)."""
+    if target.kind.name != "llvm":
+        return 0
+    mattr = {str(a) for a in (target.attrs.get("mattr") or ())}
+    if "+avx512vnni" in mattr:
+        return 512
+    return 256 if "+avxvnni" in mattr else 0
+
+
 def resolve_target(device: str) -> Target:
     """Map a device name ("cpu", "llvm", "cuda", "cuda:sm_90") to a compilation target."""
     name, _, arch = device.partition(":")

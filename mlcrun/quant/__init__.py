@@ -4,6 +4,6 @@ Never imports mlcrun.models: the rewrite works on any tvm `nn.Module` made of nn
 nn.Embedding layers (DESIGN 3.5).
 """
 
-from .presets import GROUP_SIZE, PRESETS, QuantPreset, get_preset
+from .presets import ACTIVATIONS, GROUP_SIZE, PRESETS, QuantPreset, get_preset, uses_int8
 
-__all__ = ["GROUP_SIZE", "PRESETS", "QuantPreset", "get_preset"]
+__all__ = ["ACTIVATIONS", "GROUP_SIZE", "PRESETS", "QuantPreset", "get_preset", "uses_int8"]

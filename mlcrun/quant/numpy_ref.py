@@ -112,3 +112,112 @@ def dequantize_q8(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
     n, k = codes.shape
     g = codes.astype(np.float32).reshape(n, scale.shape[1], -1)
     return (g * scale.astype(np.float32)[..., None]).reshape(n, k)
+
+
+# ----------------------------------------------------------------- int8 activations
+# The int8-activation kernels (compiler/schedules/int8.py) multiply int8 activation codes with
+# the weight codes in int32 (vpdpbusd: 16 int32 lanes, each the sum of 4 u8 x s8 products).
+# Each lane is one output feature, so the weights are stored in panels of PANEL output rows,
+# each panel transposed so that one 64-byte load holds the next 4 K-elements (q8) or the next
+# 8 (q4: one uint32 word) of all 16 rows. A panel of r < PANEL rows (the last one when N is not
+# a multiple of 16) is transposed the same way with r lanes. Scales and mins are stored
+# transposed, [K / 32, N], so one tile's 16 scales are contiguous. The arrays keep the row-major
+# arrays' shapes except the scales: a panel's rows occupy the same bytes either way.
+PANEL = 16
+
+
+def tile_rows(a: np.ndarray, unit: int) -> np.ndarray:
+    """[N, C] -> [N, C], each panel of PANEL rows (the last may be shorter) stored as
+    [C / unit, rows, unit]: `unit` consecutive columns of every row in turn."""
+    n, c = a.shape
+    full = n - n % PANEL
+    out = np.empty_like(a)
+    out[:full] = a[:full].reshape(-1, PANEL, c // unit, unit).transpose(0, 2, 1, 3).reshape(full, c)
+    if full < n:
+        out[full:] = a[full:].reshape(n - full, c // unit, unit).transpose(1, 0, 2).reshape(-1, c)
+    return out
+
+
+def untile_rows(a: np.ndarray, unit: int) -> np.ndarray:
+    """The inverse of tile_rows."""
+    n, c = a.shape
+    full = n - n % PANEL
+    out = np.empty_like(a)
+    out[:full] = a[:full].reshape(-1, c // unit, PANEL, unit).transpose(0, 2, 1, 3).reshape(full, c)
+    if full < n:
+        out[full:] = a[full:].reshape(c // unit, n - full, unit).transpose(1, 0, 2).reshape(-1, c)
+    return out
+
+
+def q4_to_int8_layout(packed, scale, mins) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row-major q4 params -> the int8 kernels' (words in panels, scales and mins [K/32, N])."""
+    t = np.ascontiguousarray
+    return t(tile_rows(np.asarray(packed, np.uint32), 1)), t(scale.T), t(mins.T)
+
+
+def q4_from_int8_layout(packed, scale, mins) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    t = np.ascontiguousarray
+    return t(untile_rows(np.asarray(packed, np.uint32), 1)), t(scale.T), t(mins.T)
+
+
+def q8_to_int8_layout(codes, scale) -> tuple[np.ndarray, np.ndarray]:
+    """Row-major q8 params -> the int8 kernels': codes + 128 as uint8 (vpdpbusd's unsigned
+    operand; w = (u - 128) * scale) in panels of 4-byte lanes, scales [K/32, N]."""
+    offset = (np.asarray(codes, np.int8).view(np.uint8) ^ np.uint8(0x80)).astype(np.uint8)
+    return np.ascontiguousarray(tile_rows(offset, 4)), np.ascontiguousarray(scale.T)
+
+
+def q8_from_int8_layout(codes, scale) -> tuple[np.ndarray, np.ndarray]:
+    rows = untile_rows(np.asarray(codes, np.uint8), 4) ^ np.uint8(0x80)
+    return np.ascontiguousarray(rows.view(np.int8)), np.ascontiguousarray(scale.T)
+
+
+AMAX_FLOOR = 1e-30  # a block whose |max| is below this quantizes to zeros (no inf scale)
+
+
+def quantize_activations(x: np.ndarray, group_size: int = GROUP_SIZE):
+    """Activations [M, K] f32 -> (codes [M, K] int8, scale [M, K/32] f32, sums [M, K/32] int32),
+    per row and group of 32: codes = rint(x * (127 / amax)) in [-127, 127] (round half to even,
+    as llama.cpp's quantize_row_q8_0), scale = amax / 127, sums = the exact sum of the codes.
+    Exactly what the compiled kernel computes (float32 operations in this order)."""
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    g = x.reshape(m, k // group_size, group_size)
+    amax = np.abs(g).max(axis=-1)
+    live = amax >= np.float32(AMAX_FLOOR)
+    inv = np.where(live, np.float32(127) / np.where(live, amax, np.float32(1)), np.float32(0))
+    codes = np.clip(np.rint(g * inv.astype(np.float32)[..., None]), -127, 127).astype(np.int8)
+    sums = codes.astype(np.int32).sum(axis=-1)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    return codes.reshape(m, k), scale, sums.astype(np.int32)
+
+
+def q4_activation_order(codes: np.ndarray) -> np.ndarray:
+    """Codes in the order the q4 kernel reads them: within each 8 elements (one weight word)
+    the even elements first, then the odd ones -- the low and the high nibbles of the word's
+    4 bytes after an AND and a shift."""
+    m, k = codes.shape
+    w = codes.reshape(m, k // NIBBLES_PER_WORD, NIBBLES_PER_WORD)
+    return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1).reshape(m, k)
+
+
+def int8_linear(x: np.ndarray, kind: str, params: tuple, group_size: int = GROUP_SIZE):
+    """float64 [M, N]: x @ W.T as the int8 kernels compute it, from row-major params (q4:
+    packed, scale, mins; q8: codes, scale): exact int32 dot products per group of 32, then
+    sum_g dot_g * (scale_w * scale_a) (+ min_w * scale_a * sum_g(codes_a) for q4)."""
+    codes, da, sums = quantize_activations(x, group_size)
+    m, k = codes.shape
+    qa = codes.astype(np.int64).reshape(m, k // group_size, group_size)
+    if kind == "q4":
+        packed, scale, mins = params
+        wq = unpack_int4(packed).astype(np.int64)
+    else:
+        wq, scale = params
+        wq = np.asarray(wq).astype(np.int64)
+    n = wq.shape[0]
+    dots = np.einsum("mgk,ngk->mng", qa, wq.reshape(n, k // group_size, group_size))
+    da64 = da.astype(np.float64)[:, None, :]
+    y = (dots * scale.astype(np.float64)[None] * da64).sum(-1)
+    if kind == "q4":
+        y += (mins.astype(np.float64)[None] * (da64 * sums[:, None, :])).sum(-1)
+    return y

@@ -18,6 +18,13 @@ Formats (K: a Linear's input features / the embedding dim, groups of 32 along K)
   full code range 0..15; repacking such blocks directly would keep every group exact.
 * q8f32: int8 codes with one fp32 scale per group of 32: w = q * scale (symmetric, GGUF Q8_0).
 
+Activations (`mlcrun compile --activations`, quant/modules.py): `exact` keeps them in float32
+(the matmul dequantizes the weights: results exact in fp32), `int8` quantizes them per row and
+group of 32 to int8 (scale amax / 127, as llama.cpp's Q8_0/Q8_1) and multiplies the codes in
+int32 with VNNI (compiler/schedules/int8.py). Under `int8` the q4/q8 params are stored in the
+int8 kernels' layout (numpy_ref: panels of 16 rows, scales transposed, q8 codes offset to
+uint8): same values, other order.
+
 Every preset but q0f32 stores the embedding table and the lm_head (tied or not) in its format
 too: in a 135M model with a 49k vocabulary they are a fifth of the weights read per token.
 
@@ -78,6 +85,18 @@ PRESETS: dict[str, QuantPreset] = {
         QuantPreset("q8f32", "q8", "float32", "8-bit, group 32, float32 scale per group"),
     )
 }
+
+
+# How q4/q8 matmuls multiply: int8 activation codes with VNNI, or exact float32 activations.
+ACTIVATIONS = ("int8", "exact")
+
+
+def uses_int8(preset: QuantPreset, activations: str) -> bool:
+    """Does `preset` store its weights for (and multiply them with) int8 activations?"""
+    if activations not in ACTIVATIONS:
+        choices = ", ".join(ACTIVATIONS)
+        raise MlcrunError(f"activations must be one of {choices}, not {activations!r}")
+    return activations == "int8" and preset.kind in ("q4", "q8") and preset.group_size == GROUP_SIZE
 
 
 def get_preset(name: str) -> QuantPreset:

@@ -7,6 +7,11 @@ numpy only (no TVM), keyed by param names exactly as quant/modules.py's rewrite 
                            q0f16: X.weight [N, K] f16
     1-D params (norm weights, biases) stay float32.
 
+With `activations="int8"` (presets.uses_int8) q4/q8 params come in the int8 kernels' layout
+(numpy_ref.q4_to_int8_layout / q8_to_int8_layout): q_weight keeps its shape (q8: uint8 codes
++ 128), rows in panels of 16; q_scale and q_min are [K/32, N]. `to_layout` converts row-major
+params (from this transform or GGUF blocks) and `dequantize_params` reads either layout.
+
 Both sides decide from the same facts -- the preset, a 2-D `.weight`, its K -- so they agree
 without either knowing the model: every 2-D weight of a model is a Linear's or an Embedding's.
 Under q4/q8 a weight whose K is not a multiple of the group size (32) stays float32, and the
@@ -18,16 +23,22 @@ from __future__ import annotations
 import numpy as np
 
 from . import numpy_ref
-from .presets import QuantPreset
+from .presets import QuantPreset, uses_int8
 
 QUANT_SUFFIXES = ("q_weight", "q_scale", "q_min")
 
 
 def quant_param_specs(
-    preset: QuantPreset, n: int, k: int
+    preset: QuantPreset, n: int, k: int, activations: str = "exact"
 ) -> dict[str, tuple[tuple[int, ...], str]]:
     """Suffix -> (shape, dtype) of the params that replace a float [n, k] `weight`."""
     g = preset.group_size
+    if uses_int8(preset, activations):
+        scales = ((k // g, n), preset.scale_dtype)
+        if preset.kind == "q8":
+            return {"q_weight": ((n, k), "uint8"), "q_scale": scales}
+        words = ((n, k // numpy_ref.NIBBLES_PER_WORD), "uint32")
+        return {"q_weight": words, "q_scale": scales, "q_min": scales}
     if preset.kind == "f16":
         return {"weight": ((n, k), "float16")}
     if preset.kind == "q8":
@@ -67,7 +78,9 @@ def preset_for(preset: QuantPreset, name: str) -> QuantPreset:
     return preset.for_embedding if is_embedding_weight(name) else preset
 
 
-def weight_transform(preset: QuantPreset, name: str, array: np.ndarray) -> dict[str, np.ndarray]:
+def weight_transform(
+    preset: QuantPreset, name: str, array: np.ndarray, activations: str = "exact"
+) -> dict[str, np.ndarray]:
     """One float param -> the param(s) the rewritten module declares for it."""
     preset = preset_for(preset, name)
     if not (name.endswith(".weight") and quantizes(preset, array.shape)):
@@ -77,20 +90,52 @@ def weight_transform(preset: QuantPreset, name: str, array: np.ndarray) -> dict[
         return {name: np.ascontiguousarray(array, dtype=np.float16)}
     if preset.kind == "q8":
         codes, scale = numpy_ref.quantize_q8(array, name, preset.scale_dtype, preset.group_size)
-        return {prefix + "q_weight": codes, prefix + "q_scale": scale}
-    packed, scale, mins = numpy_ref.quantize_q4(array, name, preset.scale_dtype, preset.group_size)
-    return {prefix + "q_weight": packed, prefix + "q_scale": scale, prefix + "q_min": mins}
+        params = {prefix + "q_weight": codes, prefix + "q_scale": scale}
+    else:
+        packed, scale, mins = numpy_ref.quantize_q4(
+            array, name, preset.scale_dtype, preset.group_size
+        )
+        params = {prefix + "q_weight": packed, prefix + "q_scale": scale, prefix + "q_min": mins}
+    return to_layout(preset, params, activations)
 
 
-def dequantize_params(preset: QuantPreset, params: dict[str, np.ndarray]) -> np.ndarray:
-    """numpy: the float32 [N, K] weight a set of params from weight_transform stands for."""
-    if preset.kind == "q4":
-        return numpy_ref.dequantize_q4(*_by_suffix(params, "q_weight", "q_scale", "q_min"))
+_SUFFIXES = {"q4": ("q_weight", "q_scale", "q_min"), "q8": ("q_weight", "q_scale")}
+
+
+def to_layout(
+    preset: QuantPreset, params: dict[str, np.ndarray], activations: str
+) -> dict[str, np.ndarray]:
+    """Row-major q4/q8 params (names ending in q_weight, q_scale[, q_min]) -> the layout the
+    kernels for `activations` read; other params, and the exact layout, pass unchanged."""
+    if not uses_int8(preset, activations) or not any(k.endswith(".q_weight") for k in params):
+        return params
+    names = _names_by_suffix(params, *_SUFFIXES[preset.kind])
+    arrays = [params[n] for n in names]
     if preset.kind == "q8":
-        return numpy_ref.dequantize_q8(*_by_suffix(params, "q_weight", "q_scale"))
+        converted = numpy_ref.q8_to_int8_layout(*arrays)
+    else:
+        converted = numpy_ref.q4_to_int8_layout(*arrays)
+    return {**params, **dict(zip(names, converted, strict=True))}
+
+
+def dequantize_params(
+    preset: QuantPreset, params: dict[str, np.ndarray], activations: str = "exact"
+) -> np.ndarray:
+    """numpy: the float32 [N, K] weight a set of params from weight_transform (with the same
+    `activations`) stands for."""
+    if preset.kind in _SUFFIXES:
+        arrays = [params[n] for n in _names_by_suffix(params, *_SUFFIXES[preset.kind])]
+        if uses_int8(preset, activations):
+            if preset.kind == "q8":
+                arrays = list(numpy_ref.q8_from_int8_layout(*arrays))
+            else:
+                arrays = list(numpy_ref.q4_from_int8_layout(*arrays))
+        if preset.kind == "q4":
+            return numpy_ref.dequantize_q4(*arrays)
+        return numpy_ref.dequantize_q8(*arrays)
     (array,) = params.values()
     return array.astype(np.float32)
 
 
-def _by_suffix(params: dict[str, np.ndarray], *suffixes: str) -> list[np.ndarray]:
-    return [next(v for k, v in params.items() if k.endswith(s)) for s in suffixes]
+def _names_by_suffix(params: dict[str, np.ndarray], *suffixes: str) -> list[str]:
+    return [next(k for k in params if k.endswith(s)) for s in suffixes]

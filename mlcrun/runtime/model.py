@@ -98,6 +98,7 @@ class Model:
             "prefill_chunk": a.prefill_chunk,
             "max_batch": a.max_batch,
             "page_size": a.page_size,
+            "activations": a.activations,
             "kv_dtype": a.kv_dtype,
             "sliding_window": self.config.sliding_window,
             "num_threads": self.num_threads,

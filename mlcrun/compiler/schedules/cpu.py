@@ -22,8 +22,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.cpu import Reduction
 from tvm.target import Target
 
-from ..target import vector_bits
-from . import matmul
+from ..target import int8_dot_bits, vector_bits
+from . import int8, matmul
 
 LOG = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     """Schedule one PrimFunc for `target` (an llvm target), or None if no rule applies."""
     bits = vector_bits(target)
     rules = [
+        ("int8", lambda f: int8.schedule(f, int8_dot_bits(target))),  # int8 activations (VNNI)
         ("matmul", lambda f: matmul.schedule(f, bits)),
         ("reduction", lambda f: schedule_reduction(f, target)),
         ("injective", lambda f: schedule_injective(f, max(bits // 32, 1))),

@@ -1,0 +1,196 @@
+"""int8-activation kernels (compiler/schedules/int8.py) through the real pipeline, against the
+numpy model of the same int8 math (quant/numpy_ref: quantize_activations, int8_linear).
+
+Odd shapes on purpose: N not a multiple of 16 (the last outputs run in scalar code), K a
+multiple of 32 but not of 256, and M = 1..9 rows (every remainder of the 4-row micro-kernel),
+17 and 64. The quantize kernel is bit-exact; the matmul is exact in int32 per group of 32 and
+differs from numpy's float64 evaluation of the rest only by fp32 rounding (measured: at most
+7e-7 of the largest output; the bound below is 3e-6).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from tvm import relax, tirx  # noqa: E402
+from tvm.relax.frontend import nn  # noqa: E402
+
+from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
+from mlcrun.compiler.schedules import cpu as cpu_rules  # noqa: E402
+from mlcrun.compiler.target import cpu_target, int8_dot_bits  # noqa: E402
+from mlcrun.quant import get_preset, numpy_ref  # noqa: E402
+from mlcrun.quant.modules import quantize_activations, quantize_model  # noqa: E402
+from mlcrun.quant.transform import dequantize_params, weight_transform  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not int8_dot_bits(cpu_target()), reason="this CPU has no AVX512-VNNI or AVX-VNNI"
+)
+RNG = np.random.default_rng(0)
+ROWS = (*range(1, 10), 17, 64)
+SHAPES = [(37, 96), (5, 32), (48, 288)]  # (N, K)
+PACKED = {"param_mode": "packed", "effect_mode": "none"}
+TOL = 3e-6  # of the largest |output|
+
+
+class _Block(nn.Module):
+    """y = r + proj(x) (bias and residual fused after the matmul), and a table [vocab, k]
+    serving as a tied lm_head and for lookups."""
+
+    def __init__(self, n: int, k: int, vocab: int) -> None:
+        self.proj = nn.Linear(k, n, bias=True)
+        self.embed = nn.Embedding(vocab, k)
+
+    def forward(self, x: nn.Tensor, r: nn.Tensor) -> nn.Tensor:
+        return r + self.proj(x)
+
+    def head(self, h: nn.Tensor) -> nn.Tensor:
+        return self.embed.lm_head_forward(h)
+
+    def lookup(self, ids: nn.Tensor) -> nn.Tensor:
+        return self.embed.lookup(ids)
+
+
+def _compile(preset: str, n: int, k: int, vocab: int):
+    model = quantize_model(_Block(n, k, vocab), get_preset(preset), "int8")
+    spec = {
+        "forward": {
+            "x": nn.spec.Tensor([1, "m", k], "float32"),
+            "r": nn.spec.Tensor([1, "m", n], "float32"),
+            "$": PACKED,
+        },
+        "head": {"h": nn.spec.Tensor(["m", k], "float32"), "$": PACKED},
+        "lookup": {"ids": nn.spec.Tensor(["m"], "int32"), "$": PACKED},
+    }
+    target = cpu_target()
+    with target:
+        mod, named = model.export_tvm(spec)
+    ex = tvm.compile(mod, target, relax_pipeline=get_pipeline(target))
+    return relax.VirtualMachine(ex, tvm.cpu()), named
+
+
+def _row_major(p, name: str, w: np.ndarray) -> tuple:
+    out = weight_transform(p, name, w)
+    suffixes = ("q_weight", "q_scale", "q_min") if p.kind == "q4" else ("q_weight", "q_scale")
+    return tuple(out[name.replace("weight", s)] for s in suffixes)
+
+
+def _run(vm, named, preset, n, k, vocab):
+    p = get_preset(preset)
+    floats = {
+        "proj.weight": RNG.standard_normal((n, k)).astype("float32"),
+        "proj.bias": RNG.standard_normal(n).astype("float32"),
+        "embed.weight": RNG.standard_normal((vocab, k)).astype("float32"),
+    }
+    arrays = {}
+    for name, w in floats.items():
+        arrays.update(weight_transform(p, name, w, "int8"))
+    args = [tvm.runtime.tensor(arrays[name]) for name, _ in named]
+    for rows in ROWS:
+        x = RNG.standard_normal((1, rows, k)).astype("float32")
+        x[0, 0, :32] = 0.0  # a zero group
+        r = RNG.standard_normal((1, rows, n)).astype("float32")
+        got = vm["forward"](tvm.runtime.tensor(x), tvm.runtime.tensor(r), args).numpy()[0]
+        want = r[0] + numpy_ref.int8_linear(
+            x[0], p.kind, _row_major(p, "proj.weight", floats["proj.weight"])
+        )
+        want += floats["proj.bias"]
+        assert np.abs(got - want).max() <= TOL * np.abs(want).max(), f"M={rows}"
+        h = RNG.standard_normal((rows, k)).astype("float32")
+        got = vm["head"](tvm.runtime.tensor(h), args).numpy()
+        table = _row_major(p, "embed.weight", floats["embed.weight"])
+        want = numpy_ref.int8_linear(h, p.kind, table)
+        assert np.abs(got - want).max() <= TOL * np.abs(want).max(), f"head M={rows}"
+    ids = np.array([0, vocab - 1, 5, 5], np.int32)
+    table = {k: v for k, v in arrays.items() if k.startswith("embed.")}
+    want = dequantize_params(p, table, "int8")[ids]
+    got = vm["lookup"](tvm.runtime.tensor(ids), args).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # an fma may round once less
+
+
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f32_1", "q8f32"])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_int8_kernels_match_the_numpy_int8_model(preset, n, k):
+    vocab = n + 3  # the tied head has its own odd N
+    vm, named = _compile(preset, n, k, vocab)
+    _run(vm, named, preset, n, k, vocab)
+
+
+def test_avx_vnni_width_gives_the_same_results(monkeypatch):
+    """Targets with only AVX-VNNI get 256-bit vpdpbusd (two halves per 16-lane panel); this
+    CPU runs that instruction too (EVEX), so both widths are checked to agree bit for bit."""
+    vm512, named = _compile("q4f16_1", 37, 96, 40)
+    monkeypatch.setattr(cpu_rules, "int8_dot_bits", lambda target: 256)
+    vm256, _ = _compile("q4f16_1", 37, 96, 40)
+    p = get_preset("q4f16_1")
+    arrays = {}
+    for name, shape in (("proj.weight", (37, 96)), ("embed.weight", (40, 96))):
+        arrays.update(
+            weight_transform(p, name, RNG.standard_normal(shape).astype("float32"), "int8")
+        )
+    arrays["proj.bias"] = RNG.standard_normal(37).astype("float32")
+    args = [tvm.runtime.tensor(arrays[name]) for name, _ in named]
+    for rows in (1, 6):
+        x = tvm.runtime.tensor(RNG.standard_normal((1, rows, 96)).astype("float32"))
+        r = tvm.runtime.tensor(np.zeros((1, rows, 37), "float32"))
+        np.testing.assert_array_equal(
+            vm512["forward"](x, r, args).numpy(), vm256["forward"](x, r, args).numpy()
+        )
+
+
+class _Quantize(nn.Module):
+    def __init__(self, kind: str, k: int) -> None:
+        self.kind, self.k = kind, k
+
+    def forward(self, x: nn.Tensor):
+        return quantize_activations(self.kind, self.k, x)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("rows", [1, 3, 40])  # serial below 32 rows, parallel above
+def test_quantize_kernel_is_bit_exact(kind, rows):
+    k = 96
+    spec = {"forward": {"x": nn.spec.Tensor(["m", k], "float32"), "$": PACKED}}
+    target = cpu_target()
+    with target:
+        mod, _ = _Quantize(kind, k).export_tvm(spec)
+    vm = relax.VirtualMachine(
+        tvm.compile(mod, target, relax_pipeline=get_pipeline(target)), tvm.cpu()
+    )
+    x = RNG.standard_normal((rows, k)).astype("float32") * 4
+    x[0, 32:64] = 0.0
+    x[-1, :32] = 1e-38
+    codes, scale, sums = (t.numpy() for t in vm["forward"](tvm.runtime.tensor(x), []))
+    want_codes, want_scale, want_sums = numpy_ref.quantize_activations(x)
+    if kind == "q4":
+        want_codes = numpy_ref.q4_activation_order(want_codes)
+    np.testing.assert_array_equal(codes, want_codes)
+    np.testing.assert_array_equal(scale, want_scale)
+    np.testing.assert_array_equal(sums, want_sums)
+
+
+def test_matmul_and_epilogue_are_one_vnni_kernel():
+    model = quantize_model(_Block(37, 96, 40), get_preset("q4f16_1+q8f32"), "int8")
+    spec = {
+        "forward": {
+            "x": nn.spec.Tensor([1, "m", 96], "float32"),
+            "r": nn.spec.Tensor([1, "m", 37], "float32"),
+            "$": PACKED,
+        }
+    }
+    target = cpu_target()
+    with target:
+        mod, _ = model.export_tvm(spec)
+        mod = tvm.transform.Sequential(scheduled_tir_passes(target))(mod)
+    funcs = {g.name_hint: f for g, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+    matmuls = [name for name in funcs if "int8_matmul" in name]
+    assert matmuls == ["fused_int8_matmul_add_add1"], sorted(funcs)  # bias + residual fused
+    script = funcs[matmuls[0]].script()
+    assert "vpdpbusd.512" in script and "T.parallel" in script
+    assert "matmul_intermediate" not in script  # the epilogue reads the accumulators
+    assert funcs[matmuls[0]].attrs.get("tirx.is_scheduled")
+    quantize = funcs["quantize_activations"]
+    assert (
+        quantize.attrs.get("tirx.is_scheduled") and "llvm.vector.reduce.fmax" in quantize.script()
+    )
