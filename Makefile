@@ -40,7 +40,7 @@ format: install
 
 # Chats with the embedded default model (compiled into ~/.cache/mlcrun on first use).
 demo: install
-	$(VENV)/bin/mlcrun chat --prompt "What is the capital of France?" --temperature 0
+	$(VENV)/bin/mlcrun chat --prompt "Name the capital city of France." --temperature 0
 
 # Build outputs and caches; the venv stays (see distclean).
 clean:

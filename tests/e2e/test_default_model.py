@@ -18,6 +18,9 @@ def home(tmp_path_factory):
 
 
 def test_chat_answers_paris(home):
+    # Not "What is the capital of France?": there the first token is a coin flip even in exact
+    # arithmetic ("The" 0.152 against "L" 0.140), and int8 activations, like llama.cpp on the
+    # same GGUF, answer "L'Étoile, ...".
     result = subprocess.run(
         [
             sys.executable,
@@ -25,7 +28,7 @@ def test_chat_answers_paris(home):
             "mlcrun",
             "chat",
             "--prompt",
-            "What is the capital of France?",
+            "Name the capital city of France.",
             "--temperature",
             "0",
             "--max-tokens",
