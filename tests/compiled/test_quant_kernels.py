@@ -2,8 +2,8 @@
 
 A QuantLinear is one TE op (dequantize + NT matmul); after FuseOps/FuseTIR it must be one
 PrimFunc together with its epilogue, and the schedule must inline the dequantize into the
-GEMV (decode reads the packed weights, never a float matrix) and dequantize once per chunk of
-W rows in the GEMM (prefill).
+GEMV and the small-M variants (decode and verify read the packed weights, never a float
+matrix) and dequantize once per chunk of W rows in the GEMM (prefill).
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from mlcrun.quant.transform import dequantize_params, weight_transform  # noqa: 
 
 RNG = np.random.default_rng(0)
 PRESETS = ("q0f16", "q8f32", "q4f32_1", "q4f16_1")
-ROWS = (1, 3, 17, 64)  # GEMV for M < GEMM_MIN_ROWS, padded GEMM above
+# GEMV for M = 1, the small-M variants (MR = 2, 4, 7; A padded to MR rows) below
+# GEMM_MIN_ROWS, padded GEMM from there
+ROWS = (1, 2, 3, 4, 5, 7, 8, 17, 64)
 
 
 class _Block(nn.Module):
@@ -77,7 +79,7 @@ def _params(preset: str, named, floats: dict[str, np.ndarray]):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize(("n", "k"), [(7, 96), (64, 128)])
+@pytest.mark.parametrize(("n", "k"), [(7, 96), (30, 160), (64, 128)])
 def test_quantized_kernels_match_numpy(preset: str, n: int, k: int) -> None:
     mod, named = _export(preset, n, k)
     target = cpu_target()
@@ -140,5 +142,7 @@ def test_dequantize_and_epilogue_are_one_scheduled_kernel(preset: str) -> None:
             branch = branch.body
         assert f"< T.int64({GEMM_MIN_ROWS})" in str(branch.condition)
         gemv, gemm = _blocks(branch.then_case), _blocks(branch.else_case)
-        assert "dequantize" not in gemv, f"{name}: the GEMV materializes the weight"
+        assert "dequantize" not in gemv, f"{name}: the GEMV or small-M kernel materializes W"
+        # The GEMV and small-M variants share one parallel loop (see matmul._merge_small).
+        assert str(branch.then_case).count("T.parallel") == 1, name
         assert "dequantize" in gemm, f"{name}: the GEMM should dequantize chunks once"

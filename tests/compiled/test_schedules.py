@@ -2,7 +2,8 @@
 
 Each case builds a small relax function with a symbolic row count (like prefill's seq_len),
 compiles it with mlcrun's pipeline for the host CPU and runs it in the VM for several M:
-1 and 3 take the GEMV variant, 17 and 128 the padded GEMM one (17 is not a multiple of 4).
+1 takes the GEMV variant, 3 a small-M one (MR = 4, A padded), 17 and 128 the padded GEMM one
+(17 is not a multiple of 3); test_small_m_matches_numpy runs every M of the small-M variants.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tvm import relax, tirx  # noqa: E402
 from tvm.relax.frontend import nn  # noqa: E402
 
 from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
-from mlcrun.compiler.schedules.matmul import GEMM_MIN_ROWS  # noqa: E402
+from mlcrun.compiler.schedules.matmul import GEMM_MIN_ROWS, ROWS_VARIANTS  # noqa: E402
 from mlcrun.compiler.target import cpu_target, cuda_target  # noqa: E402
 
 ROWS = (1, 3, 17, 128)
@@ -81,6 +82,31 @@ def test_matmul_matches_numpy(n: int, k: int, dtype: str, epilogue: str) -> None
     w = RNG.standard_normal((n, k)).astype(dtype)
     b = RNG.standard_normal(n).astype(dtype)
     for rows in ROWS:
+        x = RNG.standard_normal((1, rows, k)).astype(dtype)
+        r = RNG.standard_normal((1, rows, n)).astype(dtype)
+        args = [tvm.runtime.tensor(a) for a in (x, w, b, r)]
+        got = vm["main"](*args).numpy()
+        want = _reference(x, w, b, r, epilogue)
+        tol = 4e-3 if dtype == "float16" else 1e-5
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.sqrt(k), err_msg=f"M={rows}")
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "dtype", "epilogue"),
+    [
+        (30, 40, "float32", "bias"),  # NR=3 (GEMV) / 2, 3 (small M): N % 4 != 0, 8 lanes
+        (54, 72, "float32", "residual"),  # N = 2 * 27: chunks of 27 columns where NR must divide
+        (50, 48, "float16", "bias_silu_mul"),  # fp16 storage, cast epilogue, a chain of blocks
+    ],
+)
+def test_small_m_matches_numpy(n: int, k: int, dtype: str, epilogue: str) -> None:
+    """Every M from 1 to GEMM_MIN_ROWS: the GEMV, each small-M variant at its MR and below
+    (A padded to MR rows), the first GEMM size, on shapes no tile divides evenly."""
+    assert max(ROWS_VARIANTS) == GEMM_MIN_ROWS - 1
+    vm = _vm(_module(n, k, dtype, epilogue))
+    w = RNG.standard_normal((n, k)).astype(dtype)
+    b = RNG.standard_normal(n).astype(dtype)
+    for rows in range(1, GEMM_MIN_ROWS + 1):
         x = RNG.standard_normal((1, rows, k)).astype(dtype)
         r = RNG.standard_normal((1, rows, n)).astype(dtype)
         args = [tvm.runtime.tensor(a) for a in (x, w, b, r)]
@@ -170,7 +196,7 @@ def test_batch_decode_layout() -> None:
         bb.emit_func_output(out)
     vm = _vm(bb.get())
     w_np = RNG.standard_normal((n, k)).astype("float32")
-    for rows in (1, 2, 5, 8):
+    for rows in (1, 2, 3, 5, 7, 8):
         x_np = RNG.standard_normal((rows, 1, k)).astype("float32")
         got = vm["main"](tvm.runtime.tensor(x_np), tvm.runtime.tensor(w_np)).numpy()
         np.testing.assert_allclose(got, x_np @ w_np.T, rtol=1e-5, atol=1e-4)

@@ -4,29 +4,35 @@ Every nn.Linear lands here after FuseTransposeMatmul: A is the activation (rows 
 batch, symbolic), W the weight (static [N, K], K contiguous). Both operands are contiguous in
 K, so the micro-kernel is a dot product: an [MR, NR] tile of outputs keeps MR*NR vector
 accumulators of `lanes` floats (rfactor of K by the vector width), each k-step loads MR
-activation vectors and NR weight vectors and issues MR*NR FMAs, and a horizontal sum per
-output finishes the tile, followed by the fused epilogue (bias, residual add, cast ...) while
-the tile is still hot. No weight packing is needed, so the same kernel serves decode and
-prefill:
+activation vectors and NR weight vectors and issues MR*NR FMAs, and the tile ends with each
+output's horizontal sum (log2(lanes) vector halving steps, `_tree_sum`) and the fused epilogue
+(bias, residual add, cast ...) while the tile is still hot. No weight packing is needed, so
+the same kernel serves decode, verification and prefill, in three kinds of variant:
 
-* GEMV (M < `GEMM_MIN_ROWS`, decode): MR = 1. Memory bound; the weight is streamed once
-  (each W tile stays in L1 while the few rows of A pass over it) and >= 32 chunks of N are
-  spread over the thread pool. Measured at the speed of a pure read stream.
+* GEMV (M = 1, decode): MR = 1. Memory bound; the weight is streamed once and >= 32 chunks
+  of N are spread over the thread pool. Measured at the speed of a pure read stream.
+* Small M (2 <= M < `GEMM_MIN_ROWS`: a verify of K+1 tokens, batched decode): one tile of
+  MR = 2, 4 or 7 rows (`ROWS_VARIANTS`, the smallest that covers M; A is padded to MR rows)
+  and NR columns (MR*NR accumulators under 1 KiB, see `GEMM_MR`). The rows loop innermost
+  of [chunk, column tile, row tile], so each W tile is loaded, and for a quantized W
+  unpacked, once for all rows; a GEMV over the same M would unpack it once per row.
 * GEMM (M >= `GEMM_MIN_ROWS`, prefill / large decode batches): MR = 3 rows share each W
   vector. A symbolic M is padded to a multiple of MR with `pad_einsum` (a copy of A, ~1/N of
   the work): a predicate on M inside the tile defeats TVM's buffer compaction (the
   accumulators then spill to a buffer of M rows) and halves the speed. Chunks of N sized
   for L2 times row tiles run in parallel. ~1.3x numpy/OpenBLAS sgemm at M=512.
 
-With a symbolic M both variants are built and joined under a TIR `if M < GEMM_MIN_ROWS`.
+With a symbolic M all variants are built and joined under `if M < GEMM_MIN_ROWS`; the GEMV
+and small-M variants share their chunking of N and run in one parallel loop whose body picks
+the variant for M (`_merge_small` says why not one loop each).
 
 Quantized weights (quant/modules.py): the function's first block dequantizes the packed
-params into W [N, K], the matmul reads W. The GEMV inlines that block into its loads, so the
-codes are unpacked in registers (4-bit: one 8-byte load, a permute, a variable shift and a mask
-give 16 lanes; LLVM finds that from the `k // 8` index) and no float W ever exists. The GEMM
-instead computes the dequantize per parallel chunk of W rows into an L2-sized [nb, K] buffer
-that all row tiles of A then reuse; tasks are whole chunks (not chunk x row tile pairs), so
-each chunk is dequantized exactly once per call.
+params into W [N, K], the matmul reads W. The GEMV and small-M variants inline that block
+into their loads, so the codes are unpacked in registers (4-bit: one 8-byte load, a permute,
+a variable shift and a mask give 16 lanes; LLVM finds that from the `k // 8` index) and no
+float W ever exists. The GEMM instead computes the dequantize per parallel chunk of W rows
+into an L2-sized [nb, K] buffer that all row tiles of A then reuse; tasks are whole chunks
+(not chunk x row tile pairs), so each chunk is dequantized exactly once per call.
 """
 
 from __future__ import annotations
@@ -44,8 +50,10 @@ from tvm.sym.analyzer import Analyzer
 # slower). 4x4 tiles were only ~3% faster even without that problem.
 GEMM_MR = 3
 GEMM_MIN_ROWS = 8  # the GEMM variant wins from ~7 rows (measured on 3072x576 weights)
+ROWS_VARIANTS = (2, 4, 7)  # MR of the small-M variants: each serves M up to its MR
 L2_BLOCK_BYTES = 128 * 1024  # W rows per parallel chunk of the GEMM stay within this (L2: 1 MiB)
 GEMV_MIN_CHUNKS = 32  # parallel chunks for the GEMV: the pool splits a loop statically
+MAX_ACC_BYTES = 1023  # TVM puts a buffer on the stack only when it is smaller than 1 KiB
 QUANT_GROUP = 32  # elements per scale of the quantized formats (quant/presets.py)
 
 
@@ -57,6 +65,12 @@ class TileConfig:
     nr: int
     lanes: int
     nb: int  # columns per parallel chunk (multiple of nr, divides N)
+    kind: str = "gemv"  # "gemv" (M = 1), "rows" (small M) or "gemm"
+
+    @property
+    def inline_weight(self) -> bool:
+        """A quantized W is unpacked inside the loads (GEMV, small M), not into a buffer."""
+        return self.kind != "gemm"
 
 
 @dataclass(frozen=True)
@@ -153,20 +167,30 @@ def _largest_divisor(n: int, candidates: list[int]) -> int:
     return next((c for c in candidates if n % c == 0), 1)
 
 
-def tile_config(info: MatmulInfo, vector_bits: int, gemm: bool) -> TileConfig:
-    """Tile sizes: MR x NR accumulators must fit the register file (32 zmm with AVX-512)."""
+def tile_config(
+    info: MatmulInfo, vector_bits: int, kind: str, mr: int = 1, nb: int | None = None
+) -> TileConfig:
+    """Tile sizes of a `kind` variant with `mr` rows per tile (GEMV, small M): MR x NR
+    accumulators must fit the register file (32 zmm with AVX-512) and stay under 1 KiB (the
+    stack, see GEMM_MR). `nb` imposes another variant's chunking (the small-M variants run in
+    the GEMV's parallel loop), NR then the largest that divides it."""
     max_lanes = max(vector_bits // info.acc_bits, 1)
     lanes = _largest_divisor(info.k, [c for c in (64, 32, 16, 8, 4, 2) if c <= max_lanes])
-    nr = _largest_divisor(info.n, [4, 3, 2])
-    tiles = info.n // nr
-    if gemm:
+    if kind == "gemm":
+        nr = _largest_divisor(info.n, [4, 3, 2])
+        tiles = info.n // nr
         # Largest chunk whose W rows fit the L2 budget, so the A rows streamed over it reuse W.
         max_tiles = max(L2_BLOCK_BYTES // (nr * info.k * info.w_bits // 8), 1)
         per_chunk = max(d for d in range(1, min(tiles, max_tiles) + 1) if tiles % d == 0)
-        return TileConfig(mr=GEMM_MR, nr=nr, lanes=lanes, nb=nr * per_chunk)
+        return TileConfig(mr=GEMM_MR, nr=nr, lanes=lanes, nb=nr * per_chunk, kind=kind)
+    max_nr = max(min(MAX_ACC_BYTES // (mr * lanes * info.acc_bits // 8), 4), 1)
+    if nb is not None:  # the chunking of another variant: NR must divide it
+        return TileConfig(mr, _largest_divisor(nb, list(range(max_nr, 1, -1))), lanes, nb, kind)
+    nr = _largest_divisor(info.n, [c for c in (4, 3, 2) if c <= max_nr])
+    tiles = info.n // nr
     # GEMV: no reuse across chunks, so prefer many small chunks for load balance.
     divisors = [d for d in range(1, tiles + 1) if tiles % d == 0 and tiles // d >= GEMV_MIN_CHUNKS]
-    return TileConfig(mr=1, nr=nr, lanes=lanes, nb=nr * max(divisors, default=1))
+    return TileConfig(mr=mr, nr=nr, lanes=lanes, nb=nr * max(divisors, default=1), kind=kind)
 
 
 def _weight_producer(
@@ -220,6 +244,20 @@ def _epilogue_in_tile(
             sch.vectorize(inner[-1])
 
 
+def _tree_sum(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int) -> list:
+    """Split the sum of each output's `lanes` partial sums into log2(lanes) halving steps
+    (the upper half added to the lower half as a vector): 2 instructions per step and output
+    instead of one scalar add and one extract per lane. Returns the new blocks, first first."""
+    steps = []
+    width = lanes
+    while width > 2:
+        lane = sch.get_loops(block)[-1]
+        _, hi = sch.split(lane, [2, width // 2])
+        steps.append(sch.rfactor(hi, len(sch.get(block).writes[0].region)))
+        width //= 2
+    return steps
+
+
 def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> tirx.PrimFunc:
     """Apply one tile variant (see module doc); raises on any pattern it cannot handle."""
     sch = s_tir.Schedule(func)
@@ -227,8 +265,7 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     # A dequantized W: the GEMV unpacks it inside its loads (inlined), the GEMM dequantizes
     # each chunk of W rows once (compute_at below).
     deq = _weight_producer(sch, block)
-    quant_gemv = deq is not None and cfg.mr == 1
-    deq = None if quant_gemv else deq
+    quant_gemv = deq is not None and cfg.inline_weight
     _inline_producers(sch, block, keep=deq)
     sch.transform_block_layout(block, info.index_map)
     rows_static = isinstance(info.rows, tirx.IntImm)
@@ -236,9 +273,16 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
         # Pad M (copies A into [ceil(M/MR)*MR, K]) so the tile loop carries no predicate.
         sch.pad_einsum(block, [cfg.mr, 1, 1])
         for pad in sch.get_producers(block):  # the A copy: parallel rows, vector along K
+            if deq is not None and sch.get(pad).same_as(sch.get(deq)):
+                continue
             *outer, kk = sch.get_loops(pad)
-            sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+            fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+            if cfg.kind == "gemm":
+                sch.parallel(fused)
             sch.vectorize(sch.split(kk, [None, cfg.lanes])[1])
+    if quant_gemv:
+        sch.compute_inline(deq)
+    deq = None if quant_gemv else deq
     consumers = _consumers_in_order(sch, block)
     # Chains like add -> cast collapse into the last consumer; what stays is computed per tile.
     for c in consumers[:-1]:
@@ -252,6 +296,7 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     ko, ki = sch.split(k, [None, cfg.lanes])
     # Vector accumulators: rf[.., m, n, lane], lanes innermost so each update is one FMA.
     rf = sch.rfactor(ki, len(sch.get(block).writes[0].region))
+    halvings = _tree_sum(sch, block, cfg.lanes)
     m, n, ko, ki = sch.get_loops(rf)
     mo, mi = sch.split(m, [None, cfg.mr])
     no, nm, ni = sch.split(n, [None, cfg.nb // cfg.nr, cfg.nr])
@@ -259,7 +304,7 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     # GEMV: the few rows loop innermost so each W tile is read from memory once.
     # (Blocking K as well would need the accumulators spilled between K blocks, and LLVM does
     # not promote them back to registers: measured 40% slower at K=576, so K stays whole.)
-    tile = [no, mo, nm] if cfg.mr > 1 else [no, nm, mo]
+    tile = [no, mo, nm] if cfg.kind == "gemm" else [no, nm, mo]
     k_unroll = _group_steps(info.k, cfg) if quant_gemv else 1
     if k_unroll > 1:
         # All K steps of a quantization group in one body, so LLVM loads (and, for fp16,
@@ -270,6 +315,13 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     else:
         sch.reorder(*tile, ko, mi, ni, ki)
     # Horizontal sum and epilogue right after the accumulation, while the data is hot.
+    for step in halvings:  # loops [half, pair, rows?, cols] -> [rows?, cols, pair, half]
+        sch.reverse_compute_at(step, tile[-1])
+        half, pair, *outputs = sch.get_loops(step)[len(tile) :]
+        sch.reorder(*outputs, pair, half)
+        for loop in (*outputs, pair):
+            sch.unroll(loop)
+        sch.vectorize(half)
     sch.reverse_compute_at(block, tile[-1])
     lane, *outputs = sch.get_loops(block)[len(tile) :]  # [lane, rows?, cols]
     if outputs:
@@ -287,7 +339,7 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     else:
         # GEMM: (chunk, row tile) pairs in parallel; each thread gets a contiguous range, so
         # it keeps one W chunk in its L2 across consecutive row tiles.
-        sch.parallel(sch.fuse(no, mo) if cfg.mr > 1 else no)
+        sch.parallel(sch.fuse(no, mo) if cfg.kind == "gemm" else no)
     sch.vectorize(ki)
     sch.unroll(mi)
     sch.unroll(ni)
@@ -296,15 +348,65 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     return sch.mod["main"]
 
 
-def dispatch_on_rows(
-    func: tirx.PrimFunc, rows: tirx.PrimExpr, small: tirx.PrimFunc, large: tirx.PrimFunc
-) -> tirx.PrimFunc:
-    """`if rows < GEMM_MIN_ROWS: small else: large`, both scheduled from `func`."""
-    for f in (small, large):
-        assert all(a.same_as(b) for a, b in zip(f.params, func.params, strict=True))
-    cond = rows < tirx.IntImm(str(rows.ty), GEMM_MIN_ROWS)
-    body = tirx.IfThenElse(cond, small.body, large.body)
-    return func.with_body(body)
+def _split_root(func: tirx.PrimFunc) -> tuple | None:
+    """(root block, statements before the parallel loop, the parallel loop) of a variant."""
+    block = func.body.block
+    stmts = list(block.body.seq) if isinstance(block.body, tirx.SeqStmt) else [block.body]
+    loop = stmts[-1]
+    if not (isinstance(loop, tirx.For) and loop.kind == tirx.ForKind.PARALLEL):
+        return None
+    if any(isinstance(s, tirx.For) and s.kind == tirx.ForKind.PARALLEL for s in stmts[:-1]):
+        return None
+    return block, stmts[:-1], loop
+
+
+def _substitute(stmt: tirx.Stmt, var: tirx.Var, value: tirx.PrimExpr) -> tirx.Stmt:
+    return tirx.PrimFunc([var], stmt).specialize({var: value}).body
+
+
+def _merge_small(variants: list) -> tirx.Stmt | None:
+    """One parallel loop over W chunks whose body picks the variant for M, or None when the
+    variants' chunk loops differ. TVM's TIR CSE binds a constant subexpression (the
+    dequantize's lane index vectors `ramp // 8`, `ramp % 8 * 4`) at the innermost statement
+    that holds all its uses: with one parallel loop per variant that is the function body,
+    outside the loops, so the parallel lambdas receive those vectors through their closure
+    and LLVM, no longer seeing constants, unpacks the codes with gathers (4x slower). With
+    the dispatch inside the loop they are bound inside the lambda."""
+    parts = [_split_root(f) for _, f in variants]
+    if any(p is None for p in parts):
+        return None
+    extents = {int(p[2].extent) for p in parts if isinstance(p[2].extent, tirx.IntImm)}
+    if len(extents) != 1 or any(not isinstance(p[2].extent, tirx.IntImm) for p in parts):
+        return None
+    first = parts[0][2]
+    chunk = tirx.Var("chunk", first.loop_var.ty)
+    pre: list[tirx.Stmt] = []
+    body: tirx.Stmt | None = None
+    allocs = []
+    for (cond, _), (block, before, loop) in reversed(list(zip(variants, parts))):
+        allocs = list(block.alloc_buffers) + allocs
+        inner = _substitute(loop.body, loop.loop_var, chunk)
+        body = inner if body is None else tirx.IfThenElse(cond, inner, body)
+        if before:
+            stmt = tirx.SeqStmt(before) if len(before) > 1 else before[0]
+            pre.insert(0, tirx.IfThenElse(cond, stmt, None))
+    loop = tirx.For(chunk, first.min, first.extent, tirx.ForKind.PARALLEL, body)
+    root = parts[0][0]
+    new_block = type(root)(
+        iter_vars=[],
+        reads=[],
+        writes=[],
+        name_hint=root.name_hint,
+        body=tirx.SeqStmt([*pre, loop]) if pre else loop,
+        alloc_buffers=allocs,
+    )
+    return type(variants[0][1].body)(iter_values=[], predicate=True, block=new_block)
+
+
+def _chain(variants: list) -> tirx.Stmt:
+    """`if cond: variant elif ...` over (condition, PrimFunc) pairs, the last one the else."""
+    (cond, first), rest = variants[0], variants[1:]
+    return first.body if not rest else tirx.IfThenElse(cond, first.body, _chain(rest))
 
 
 def schedule(func: tirx.PrimFunc, vector_bits: int) -> tirx.PrimFunc | None:
@@ -313,8 +415,31 @@ def schedule(func: tirx.PrimFunc, vector_bits: int) -> tirx.PrimFunc | None:
     if info is None:
         return None
     if isinstance(info.rows, tirx.IntImm):
-        gemm = info.rows.value >= GEMM_MIN_ROWS
-        return schedule_matmul(func, info, tile_config(info, vector_bits, gemm))
-    small = schedule_matmul(func, info, tile_config(info, vector_bits, gemm=False))
-    large = schedule_matmul(func, info, tile_config(info, vector_bits, gemm=True))
-    return dispatch_on_rows(func, info.rows, small, large)
+        m = info.rows.value
+        if m >= GEMM_MIN_ROWS:
+            cfg = tile_config(info, vector_bits, "gemm")
+        elif m == 1:
+            cfg = tile_config(info, vector_bits, "gemv")
+        else:
+            mr = next(r for r in ROWS_VARIANTS if r >= m)
+            cfg = tile_config(info, vector_bits, "rows", mr)
+        return schedule_matmul(func, info, cfg)
+    gemv = tile_config(info, vector_bits, "gemv")
+    small = [(2, schedule_matmul(func, info, gemv))]
+    for mr in ROWS_VARIANTS:
+        cfg = tile_config(info, vector_bits, "rows", mr, nb=gemv.nb)
+        small.append((mr + 1, schedule_matmul(func, info, cfg)))
+    large = schedule_matmul(func, info, tile_config(info, vector_bits, "gemm"))
+    dtype = str(info.rows.ty)
+    conds, lo = [], 0
+    for hi, f in small:  # exclusive conditions: lo <= M < hi
+        c = info.rows < tirx.IntImm(dtype, hi)
+        conds.append((tirx.And(info.rows >= tirx.IntImm(dtype, lo), c) if lo else c, f))
+        lo = hi
+    merged = _merge_small(conds)
+    body = tirx.IfThenElse(
+        info.rows < tirx.IntImm(dtype, GEMM_MIN_ROWS),
+        merged if merged is not None else _chain(conds),
+        large.body,
+    )
+    return func.with_body(body)
