@@ -387,7 +387,12 @@ def worker_llama_cpp(spec: dict, prompts: list[dict], threads: int, settings: Se
 
     compare.quiet_llama()
     lookup = spec["mode"] == "prompt lookup"
-    n_ctx = -(-(max(len(p["ids"]) for p in prompts) + settings.tokens + 64) // 256) * 256
+    # With a draft, llama-cpp-python's Llama.generate counts every evaluated draft token
+    # against n_ctx, rejected ones too (it overflowed its score buffer at 761 of 768 positions
+    # for 256 tokens of a 298-token prompt): room for 1 + LOOKUP_TOKENS per generated token.
+    per_token = 1 + LOOKUP_TOKENS if lookup else 1
+    need = max(len(p["ids"]) for p in prompts) + settings.tokens * per_token + 64
+    n_ctx = -(-need // 256) * 256
     draft = (
         LlamaPromptLookupDecoding(max_ngram_size=LOOKUP_NGRAM, num_pred_tokens=LOOKUP_TOKENS)
         if lookup
