@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -892,6 +893,29 @@ def method_section(doc: dict) -> list[str]:
     ]
 
 
+def changed_since(created: str) -> list[str]:
+    """A warning, from git, when commits that change the code being measured (mlcrun/) landed
+    after the compare run: its figures then describe older code."""
+    try:
+        out = subprocess.run(
+            ["git", "log", "--oneline", f"--since={created}", "--", "mlcrun/"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        ).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    if not out:
+        return []
+    return [
+        f"**Not current:** {len(out)} commits have changed `mlcrun/` since this run (`git log "
+        f"--since={created} -- mlcrun/`), so the comparison below describes older code; "
+        "re-run the commands above to measure the current one.",
+        "",
+    ]
+
+
 def render(doc: dict, kernel: dict | None, spec: dict | None = None) -> str:
     m = doc["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
@@ -912,6 +936,7 @@ def render(doc: dict, kernel: dict | None, spec: dict | None = None) -> str:
         "",
         f"This run: `{doc['command']}` on {doc['created']}.",
         "",
+        *changed_since(doc["created"]),
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['platform']}; "
         f"**{doc['threads']} threads for every engine**, {rounds_text(doc)}, each engine in a "
         f"fresh process. Versions: {versions}.",
