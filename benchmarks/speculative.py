@@ -387,11 +387,7 @@ def worker_llama_cpp(spec: dict, prompts: list[dict], threads: int, settings: Se
 
     compare.quiet_llama()
     lookup = spec["mode"] == "prompt lookup"
-    # With a draft, llama-cpp-python's Llama.generate counts every evaluated draft token
-    # against n_ctx, rejected ones too (it overflowed its score buffer at 761 of 768 positions
-    # for 256 tokens of a 298-token prompt): room for 1 + LOOKUP_TOKENS per generated token.
-    per_token = 1 + LOOKUP_TOKENS if lookup else 1
-    need = max(len(p["ids"]) for p in prompts) + settings.tokens * per_token + 64
+    need = max(len(p["ids"]) for p in prompts) + settings.tokens + LOOKUP_TOKENS + 64
     n_ctx = -(-need // 256) * 256
     draft = (
         LlamaPromptLookupDecoding(max_ngram_size=LOOKUP_NGRAM, num_pred_tokens=LOOKUP_TOKENS)
@@ -402,7 +398,9 @@ def worker_llama_cpp(spec: dict, prompts: list[dict], threads: int, settings: Se
     llm = Llama(
         model_path=spec["target"],
         n_ctx=n_ctx,
-        n_batch=512,
+        # With a draft (logits_all), llama-cpp-python keeps the logits of every position in a
+        # buffer of n_batch rows: n_batch = n_ctx, or it overflows past n_batch positions.
+        n_batch=n_ctx if lookup else 512,
         n_ubatch=512,
         n_threads=threads,
         n_threads_batch=threads,
@@ -477,8 +475,8 @@ def worker_transformers(spec: dict, prompts: list[dict], threads: int, settings:
     # and EOS itself may be generated (min_new_tokens would mask it instead, changing tokens).
     gen_config = transformers.GenerationConfig(
         do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
+        eos_token_id=[],  # never stop (None would take the model's own EOS: transformers 5
+        pad_token_id=0,  # fills unset fields from model.generation_config)
         prompt_lookup_num_tokens=LOOKUP_TOKENS if lookup else None,
         max_matching_ngram_size=LOOKUP_NGRAM if lookup else None,
     )

@@ -278,8 +278,9 @@ class Engine:
             return []
         elapsed = time.perf_counter() - start
         self.stats.prefill_tokens += len(tokens)
+        decoding_soon = len(self.scheduler.running) + len(self.scheduler.waiting)
         if isinstance(self.drafter, ModelDrafter) and self._drafting_pays(
-            len(self.scheduler.running), PRIOR_ACCEPTANCE
+            decoding_soon, PRIOR_ACCEPTANCE
         ):  # the draft cache takes the same chunks now, else it catches up when it drafts
             self._forward(batch, lambda: self.drafter.prefill(plan))  # failing fails them
         ready = []
@@ -391,11 +392,21 @@ class Engine:
             if not k:  # plain decoding pays more; requests idle long enough probe, unless
                 # even drafts that are always right would not pay at this batch size
                 probe = self._drafting_pays(len(batch), 1.0)
-                probes = {r: PROBE_LENGTH for r in free if probe and r.acceptance.probe_due}
+                probes = {
+                    r: PROBE_LENGTH
+                    for r in free
+                    if probe and r.acceptance.probe_due and not self._draft_lags(r)
+                }
                 for req in free:
                     req.acceptance.idle()
                 return probes
         return {r: k for r in free}
+
+    def _draft_lags(self, req: Request) -> bool:
+        """A draft model that lacks more than the pending token: probing would pay its
+        catch-up (a prefill) to measure what the model's acceptance already says."""
+        model = isinstance(self.drafter, ModelDrafter)
+        return model and req.num_draft_computed < req.num_computed
 
     def _drafting_pays(self, batch: int, rate: float) -> bool:
         """Whether requests drafting with acceptance `rate` at this batch size would draft

@@ -22,6 +22,7 @@ DECAY = 0.97  # per step: older outcomes count less
 # A request that has not drafted for this many steps drafts a few tokens anyway, so its
 # acceptance is measured rather than assumed (a prior that says "no" would never be tested).
 PROBE_EVERY = 16
+GAIN = 1.02  # speculation must beat plain decoding by this much: noise in the cost table
 PROBE_LENGTH = 2
 
 
@@ -131,6 +132,6 @@ def best_draft_length(rates: Sequence[float], costs: CostModel, max_k: int) -> i
     for k in range(1, max_k + 1):
         seconds = costs.verify_cost(batch, k + 1) + k * costs.draft_cost(batch)
         speed = sum(expected_tokens(r, k) for r in rates) / seconds
-        if speed > best * 1.02:  # a clear gain, not noise in the cost table
+        if speed > best * GAIN:  # a clear gain, not noise in the cost table
             best_k, best = k, speed
     return best_k

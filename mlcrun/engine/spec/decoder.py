@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..request import Request
+from .adaptive import GAIN, expected_tokens
 from .tree import DraftTree
 
 if TYPE_CHECKING:
@@ -42,7 +43,15 @@ class SpeculativeDecoder:
         trees = self._propose(batch, lengths)
         e.stats.draft_seconds += time.perf_counter() - start
         batch = [r for r in batch if not r.finished]  # a failed draft forward fails its requests
+        for req in batch:  # asked to draft, found nothing (no n-gram match): a failed trial
+            if lengths.get(req, 0) > 0 and not trees.get(req, _NO_DRAFT).size:
+                req.acceptance.update(1, 0)
         if not any(t.size for t in trees.values()):
+            return False
+        if not self._worth_verifying(batch, trees):  # decode plainly; drafts are dropped
+            for req, tree in trees.items():
+                if not req.finished and hasattr(self.drafter, "verified"):
+                    self.drafter.verified(req, tree, [])
             return False
         nodes, parents, sizes = [], [], []
         for req in batch:
@@ -73,6 +82,23 @@ class SpeculativeDecoder:
             e.stats.decode_tokens += 1 + len(paths[req])
             self._account(req, trees.get(req, _NO_DRAFT), paths[req])
         return True
+
+    def _worth_verifying(self, batch: list[Request], trees: dict) -> bool:
+        """With an adaptive draft length: whether the drafts actually proposed (prompt lookup
+        finds no match for many requests) make a verify pay against a plain step. A verify
+        is costed as at least 2 tokens per sequence: it runs other kernels than a decode
+        step, so a batch of mostly one-node trees costs more than the rows suggest."""
+        e = self.engine
+        if e.config.spec_draft_length or e.costs is None:
+            return True
+        b = len(batch)
+        nodes = sum(1 + trees.get(r, _NO_DRAFT).size for r in batch)
+        tokens = sum(
+            expected_tokens(r.acceptance.rate, len(trees[r].chain)) if r in trees else 1.0
+            for r in batch
+        )
+        verify = e.costs.verify_cost(b, max(2, round(nodes / b)))
+        return tokens / verify > GAIN * b / e.costs.verify_cost(b, 1)
 
     def _propose(self, batch: list[Request], lengths: dict[Request, int]) -> dict:
         drafting = [r for r in batch if lengths.get(r, 0) > 0]
