@@ -285,8 +285,9 @@ def _gap_tput(spec: dict, cases: list[dict]) -> str:
         "yet timed on its own) is the tail: when the "
         "last requests run alone drafting pays again, and a draft cache that skipped the "
         "prompts at batch 16 first catches up on the whole sequence (one prefill of prompt "
-        "and output) for a few tokens left. Not drafting when the catch-up exceeds the tokens "
-        "a request has left is the fix; with ngram the ratio is within one round's spread."
+        "and output) for a few tokens left. The engine now skips drafting when the catch-up "
+        "exceeds the tokens a request has left (landed after this run, so not yet measured "
+        "here); with ngram the ratio is within one round's spread."
     )
 
 

@@ -384,10 +384,11 @@ class Engine:
         """How many tokens each decoding request may draft this step (before the scheduler
         clamps them to pages, max_tokens and the context window). Constrained requests decode
         plainly: their grammar would have to be rolled back on rejection."""
-        free = [r for r in batch if r.constraint is None]
+        free = [r for r in batch if r.constraint is None and not self._catch_up_too_long(r)]
         k = self.config.spec_draft_length
         if not k:
-            rates = [r.acceptance.rate for r in free]
+            # the others are one-node trees in the same verify: rate 0 yields 1 token each
+            rates = [r.acceptance.rate if r in free else 0.0 for r in batch]
             k = best_draft_length(rates, self.costs, self.config.spec_max_draft_length)
             if not k:  # plain decoding pays more; requests idle long enough probe, unless
                 # even drafts that are always right would not pay at this batch size
@@ -401,6 +402,12 @@ class Engine:
                     req.acceptance.idle()
                 return probes
         return {r: k for r in free}
+
+    def _catch_up_too_long(self, req: Request) -> bool:
+        """A draft model that lacks more tokens than the request has left to generate: its
+        catch-up (a prefill of them) would cost more than drafting could save."""
+        left = req.params.max_tokens - req.num_output
+        return self._draft_lags(req) and req.num_computed - req.num_draft_computed > left
 
     def _draft_lags(self, req: Request) -> bool:
         """A draft model that lacks more than the pending token: probing would pay its

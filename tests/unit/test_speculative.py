@@ -383,6 +383,20 @@ def test_a_lagging_draft_catches_up_when_drafting_starts_to_pay():
     assert outs[("s0", 0)].token_ids == want[("r0", 0)].token_ids
 
 
+def test_a_draft_never_catches_up_on_more_than_the_request_has_left():
+    """At the tail of a batch the last request runs alone and drafting would pay, but its
+    draft skipped a 40-token prompt and 8 outputs at batch 4: with 22 tokens left, catching
+    up costs more than drafting saves, so it decodes plainly (and its answer is plain's)."""
+    ps = [COPYING[:40], COPYING[3:15], COPYING[5:17], COPYING[7:19]]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 5, 6, 8)]
+    plain = generate(*make(script=COPYING), ps, params)
+    draft = CountingRunner(vocab_size=64, script=COPYING, script_from=0)
+    engine, runner, draft = make("draft", 0, 1, draft, script=COPYING, costs=BATCH_BOUND)
+    spec = generate(engine, runner, draft, ps, params)
+    assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
+    assert draft.fed == 0 and engine.stats.spec_steps == 0
+
+
 # -- bad input and failures -----------------------------------------------------------------------
 
 
