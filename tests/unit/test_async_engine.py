@@ -38,10 +38,12 @@ def test_add_abort_and_stats_do_not_wait_for_a_running_step():
         engine, runner = make_engine(runner=GatedRunner())
         async_engine = AsyncEngine(engine)
         try:
+            # Closed before the request: its prefill passes, its first decode waits at the gate
+            # (closing after the first output raced the engine, which could finish all 50).
+            runner.closed = True
             slow = async_engine.generate(prompt_of(5, 1), SamplingParams(max_tokens=50), "slow")
             first = await slow.__anext__()  # prefilled; decoding from now on
             assert first.token_ids
-            runner.closed = True
             await asyncio.to_thread(runner.in_forward.wait, 60)
             # The engine thread is inside a forward and stays there until the gate opens.
             # Everything below must complete meanwhile (the gate is still closed after it).
