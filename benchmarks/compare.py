@@ -532,10 +532,13 @@ def run_worker(kind: str, target: str, threads: int, quick: bool) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--target", target]
     cmd += ["--threads", str(threads)] + (["--quick"] if quick else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    return run_child(cmd, env, 600 if quick else 3600)
+
+
+def run_child(cmd: list[str], env: dict, timeout: float) -> dict:
+    """Run a worker process: the JSON after its RESULT_MARK line, or {"error": ...}."""
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, env=env, timeout=600 if quick else 3600
-        )
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": "timed out"}
     for line in reversed(proc.stdout.splitlines()):

@@ -547,17 +547,7 @@ def run_worker(kind: str, spec: dict, prompts_file: Path, threads: int, quick: b
         "HF_HUB_OFFLINE": "1",
         "MLCRUN_HOME": str(HOME),
     }
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, env=env, timeout=900 if quick else 3600
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": "timed out"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK) :])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
-    return {"error": f"exit {proc.returncode}: " + "\n".join(tail)}
+    return compare.run_child(cmd, env, 900 if quick else 3600)
 
 
 def worker_main(args: argparse.Namespace) -> None:
