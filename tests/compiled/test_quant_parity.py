@@ -125,7 +125,10 @@ def test_agreement_with_fp32(preset, low_init_checkpoint, compiled):
     top1 = float(np.mean(got.argmax(-1) == base.argmax(-1)))
     cosine = _cosine(got, base)
     if preset == "q0f16":
-        np.testing.assert_allclose(got, base, atol=1e-2, rtol=0)
+        # What fp16 weights cost on these logits (std 0.17, range 1.9): max |diff| 2.2e-4,
+        # mean 4.4e-5 when measured; the bounds leave ~4x room for other CPUs' rounding.
+        diff = np.abs(got - base)
+        assert diff.max() <= 1e-3 and diff.mean() <= 2e-4, (diff.max(), diff.mean())
     elif preset == "q8f32":
         assert top1 >= 0.99 and cosine >= 0.999, (top1, cosine)
     else:
