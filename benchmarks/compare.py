@@ -108,14 +108,16 @@ QWEN_SHAPE = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
 QWEN_EOS = 151643  # <|endoftext|>
-# model -> GGUF formats measured (F32 is also what transformers runs)
+# model -> GGUF formats measured (transformers runs F32, and BF16 as torch.bfloat16 weights
+# and activations: the F32 checkpoint cast, round to nearest even like llama.cpp's BF16)
 MODELS = {
-    "smollm2": ("F32", "Q8_0", "Q4_0", "Q4_1"),
-    "qwen2.5-0.5b-shape": ("F32", "Q8_0", "Q4_0"),
+    "smollm2": ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1"),
+    "qwen2.5-0.5b-shape": ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1"),
 }
 # GGUF format -> llama.cpp ftype name (for llama_model_quantize) and mlcrun's `-q auto` result
 FORMATS = {
     "F32": ("LLAMA_FTYPE_ALL_F32", "q0f32"),
+    "BF16": ("LLAMA_FTYPE_MOSTLY_BF16", "q0bf16"),
     "Q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", "q8f32"),
     "Q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", "q4f16_1"),
     "Q4_1": ("LLAMA_FTYPE_MOSTLY_Q4_1", "q4f16_1"),
@@ -425,11 +427,14 @@ def worker_llama_cpp(target: str, threads: int, lengths: Lengths) -> dict:
 
 
 def worker_transformers(target: str, threads: int, lengths: Lengths) -> dict:
+    """`target` is the fp32 checkpoint folder, `FOLDER#bfloat16` to run it in bf16."""
     import torch
     import transformers
 
     torch.set_num_threads(threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    folder, _, dtype = target.partition("#")
+    dtype = getattr(torch, dtype or "float32")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     p = prompts(model.config.vocab_size, lengths)
 
     class Clock(transformers.generation.streamers.BaseStreamer):
@@ -479,7 +484,7 @@ def worker_transformers(target: str, threads: int, lengths: Lengths) -> dict:
         "decode_tps": decode_rate(clock.calls[1:]),
         "tokens": tokens[:16].tolist(),
         "tput_tps": generated / elapsed,
-        "settings": {"attn_implementation": model.config._attn_implementation},
+        "settings": {"attn_implementation": model.config._attn_implementation, "dtype": str(dtype)},
     }
 
 
@@ -809,16 +814,18 @@ def prepare(model: str, engines: list[str], threads: int) -> tuple[list[Variant]
                     weight_bytes=gguf_tensor_bytes(gguf[fmt]),
                 )
             )
-        if fmt == "F32" and "transformers" in engines and (hf / "config.json").exists():
+        torch_dtype = {"F32": "float32", "BF16": "bfloat16"}.get(fmt)
+        if torch_dtype and "transformers" in engines and (hf / "config.json").exists():
+            fp32 = torch_dtype == "float32"
             variants.append(
                 Variant(
                     model,
                     fmt,
                     "transformers",
-                    str(hf),
+                    str(hf) if fp32 else f"{hf}#{torch_dtype}",
                     size_mib=folder_bytes(hf) / 2**20,
-                    weight_bytes=safetensors_bytes(hf),
-                    info={"dtype": "float32"},
+                    weight_bytes=safetensors_bytes(hf) // (1 if fp32 else 2),
+                    info={"dtype": torch_dtype},
                 )
             )
     return variants, info
@@ -831,9 +838,7 @@ def mlcrun_variant(model: str, fmt: str, out: Path) -> Variant:
     expected = FORMATS[fmt][1]
     if not config["quantization"].startswith(expected):  # the weights would not be the same
         raise RuntimeError(f"{out}: quantization {config['quantization']}, expected {expected}")
-    weight_bytes = sum(
-        int(np.prod(p["shape"])) * np.dtype(p["dtype"]).itemsize for p in config["params"]
-    )
+    weight_bytes = sum(int(np.prod(p["shape"])) * itemsize(p["dtype"]) for p in config["params"])
     return Variant(
         model,
         fmt,
@@ -841,8 +846,27 @@ def mlcrun_variant(model: str, fmt: str, out: Path) -> Variant:
         str(out),
         size_mib=folder_bytes(out) / 2**20,
         weight_bytes=weight_bytes,
-        info={"quantization": config["quantization"], "context_window": config["context_window"]},
+        info={
+            "quantization": config["quantization"],
+            "activations": config.get("activations"),
+            "kv_dtype": config.get("kv_dtype", "float32"),
+            "context_window": config["context_window"],
+            "kv_bytes_per_token": kv_bytes_per_token(config["model"], config.get("kv_dtype")),
+        },
     )
+
+
+def kv_bytes_per_token(model: dict, dtype: str | None) -> int:
+    """K and V of one token in every layer: what each engine's KV cache holds per token."""
+    head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+    per = model["num_hidden_layers"] * 2 * model["num_key_value_heads"] * head_dim
+    return per * itemsize(dtype or "float32")
+
+
+def itemsize(dtype: str) -> int:
+    import numpy as np
+
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
 
 def gguf_types(path: Path) -> dict[str, int]:
