@@ -35,7 +35,7 @@ EXACT_PRESET: dict[str, str] = {
     "Q4_1": "q4f16_1",
     "Q8_0": "q8f32",
     "F16": "q0f16",
-    "BF16": "q0f32",
+    "BF16": "q0bf16",
     "F32": "q0f32",
 }
 _BLOCK_KIND = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8"}  # the preset kind that holds the blocks

@@ -7,6 +7,7 @@ module declares. Both decide from the same facts (preset, 2-D weight, K), so the
     X.weight [N, K] f32 -> q4: X.q_weight [N, K/8] uint32, X.q_scale [N, K/32], X.q_min [N, K/32]
                            q8: X.q_weight [N, K] int8,     X.q_scale [N, K/32] f32
                            q0f16: X.weight [N, K] f16
+                           q0bf16: X.weight [N, K] uint16 (bfloat16 bits)
 
 `weight_transform` lives in quant/transform.py (numpy only) and is re-exported here. Layers
 whose K is not a multiple of 32 stay float32 under q4/q8 (see numpy_ref's policy).
@@ -93,6 +94,9 @@ def _dequantize(preset: QuantPreset, w: list[te.Tensor], n, k, int8: bool = Fals
     if preset.kind == "f16":
         return w[0][n, k].astype(F32)
     rows, cols = (int(d) for d in w[0].shape)
+    if preset.kind == "bf16":  # the float32 whose top half the bits are
+        bits = w[0][_tiled(n, k, rows, cols, 2)] if int8 else w[0][n, k]
+        return tirx.reinterpret(F32, bits.astype("uint32") << tirx.const(16, "uint32"))
     if preset.kind == "q8":
         if int8:  # uint8 codes + 128, scales [K/32, N]
             code = w[0][_tiled(n, k, rows, cols, 4)].astype("int32") - 128

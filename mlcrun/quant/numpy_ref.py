@@ -35,6 +35,21 @@ def check_groups(name: str, shape: tuple[int, ...], group_size: int = GROUP_SIZE
         )
 
 
+def to_bf16(w: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounded to nearest even; NaN stays a (quiet) NaN.
+    Values that are already bf16 (a bf16 checkpoint widened to float32) keep their bits."""
+    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = np.isnan(np.asarray(w, dtype=np.float32))
+    rounded = np.where(nan, (bits >> 16) | 0x40, rounded)
+    return rounded.astype(np.uint16)
+
+
+def from_bf16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32 (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
 def pack_int4(codes: np.ndarray) -> np.ndarray:
     """[..., K] codes in 0..15 -> [..., K/8] uint32; code j of word i is element 8*i + j."""
     codes = np.asarray(codes)

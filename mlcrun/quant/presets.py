@@ -9,6 +9,9 @@ Formats (K: a Linear's input features / the embedding dim, groups of 32 along K)
 
 * q0f32: float32 weights, unchanged.
 * q0f16: float16 storage of every 2-D weight; norms and biases stay float32.
+* q0bf16: bfloat16 storage of every 2-D weight (uint16 bits: the top half of the float32,
+  rounded to nearest even), norms and biases float32. Holds bf16 checkpoints (safetensors
+  BF16, GGUF BF16) bit for bit; `auto` picks it for GGUF files whose layers are BF16.
 * q4f32_1 / q4f16_1: 4-bit unsigned codes, 8 per uint32 (code j of word i is element
   8*i + j, bits 4j..4j+3), and a scale and a min per group of 32 in fp32 / fp16:
   w = q * scale + min. This asymmetric form holds GGUF Q4_0 (scale = d, min = -8 * d) and
@@ -45,7 +48,7 @@ GROUP_SIZE = 32
 @dataclass(frozen=True)
 class QuantPreset:
     name: str
-    kind: str  # "none" | "f16" | "q4" | "q8"
+    kind: str  # "none" | "f16" | "bf16" | "q4" | "q8"
     scale_dtype: str | None  # storage dtype of q4/q8 scales (and q4 mins)
     description: str
     group_size: int = GROUP_SIZE
@@ -67,7 +70,7 @@ class QuantPreset:
         """Storage bits per weight element, scales and mins included."""
         if self.kind == "none":
             return 32.0
-        if self.kind == "f16":
+        if self.kind in ("f16", "bf16"):
             return 16.0
         scale_bits = 32 if self.scale_dtype == "float32" else 16
         if self.kind == "q4":
@@ -80,6 +83,7 @@ PRESETS: dict[str, QuantPreset] = {
     for p in (
         QuantPreset("q0f32", "none", None, "float32 weights (no quantization)"),
         QuantPreset("q0f16", "f16", None, "float16 weights, float32 compute"),
+        QuantPreset("q0bf16", "bf16", None, "bfloat16 weights, float32 compute"),
         QuantPreset("q4f32_1", "q4", "float32", "4-bit, group 32, float32 scale + min per group"),
         QuantPreset("q4f16_1", "q4", "float16", "4-bit, group 32, float16 scale + min per group"),
         QuantPreset("q8f32", "q8", "float32", "8-bit, group 32, float32 scale per group"),
@@ -87,15 +91,20 @@ PRESETS: dict[str, QuantPreset] = {
 }
 
 
-# How q4/q8 matmuls multiply: int8 activation codes with VNNI, or exact float32 activations.
-ACTIVATIONS = ("int8", "exact")
+# How quantized matmuls multiply: int8 activation codes with VNNI (q4/q8), bfloat16
+# activations with AVX512-BF16 (q0bf16), or exact float32 activations.
+ACTIVATIONS = ("int8", "bf16", "exact")
+
+
+def _check_activations(activations: str) -> None:
+    if activations not in ACTIVATIONS:
+        choices = ", ".join(ACTIVATIONS)
+        raise MlcrunError(f"activations must be one of {choices}, not {activations!r}")
 
 
 def uses_int8(preset: QuantPreset, activations: str) -> bool:
     """Does `preset` store its weights for (and multiply them with) int8 activations?"""
-    if activations not in ACTIVATIONS:
-        choices = ", ".join(ACTIVATIONS)
-        raise MlcrunError(f"activations must be one of {choices}, not {activations!r}")
+    _check_activations(activations)
     return activations == "int8" and preset.kind in ("q4", "q8") and preset.group_size == GROUP_SIZE
 
 
@@ -112,3 +121,9 @@ def get_preset(name: str) -> QuantPreset:
     base, table = PRESETS[main], PRESETS[emb]
     description = f"{base.description}; embedding and lm_head: {table.description}"
     return replace(base, name=name, description=description, embedding=table)
+
+
+def uses_bf16(preset: QuantPreset, activations: str) -> bool:
+    """Does `preset` store its weights in panels for (and multiply them with) bf16 activations?"""
+    _check_activations(activations)
+    return activations == "bf16" and preset.kind == "bf16"

@@ -5,12 +5,15 @@ numpy only (no TVM), keyed by param names exactly as quant/modules.py's rewrite 
     X.weight [N, K] f32 -> q4: X.q_weight [N, K/8] uint32, X.q_scale [N, K/32], X.q_min [N, K/32]
                            q8: X.q_weight [N, K] int8,     X.q_scale [N, K/32] f32
                            q0f16: X.weight [N, K] f16
+                           q0bf16: X.weight [N, K] uint16 (bfloat16 bits)
     1-D params (norm weights, biases) stay float32.
 
 With `activations="int8"` (presets.uses_int8) q4/q8 params come in the int8 kernels' layout
 (numpy_ref.q4_to_int8_layout / q8_to_int8_layout): q_weight keeps its shape (q8: uint8 codes
 + 128), rows in panels of 16; q_scale and q_min are [K/32, N]. `to_layout` converts row-major
 params (from this transform or GGUF blocks) and `dequantize_params` reads either layout.
+With `activations="bf16"` (presets.uses_bf16) a q0bf16 weight comes in panels of 16 rows x 2
+K-elements (numpy_ref.tile_rows(., 2)), the bf16 kernels' layout, same shape.
 
 Both sides decide from the same facts -- the preset, a 2-D `.weight`, its K -- so they agree
 without either knowing the model: every 2-D weight of a model is a Linear's or an Embedding's.
@@ -23,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import numpy_ref
-from .presets import QuantPreset, uses_int8
+from .presets import QuantPreset, uses_bf16, uses_int8
 
 QUANT_SUFFIXES = ("q_weight", "q_scale", "q_min")
 
@@ -41,6 +44,8 @@ def quant_param_specs(
         return {"q_weight": words, "q_scale": scales, "q_min": scales}
     if preset.kind == "f16":
         return {"weight": ((n, k), "float16")}
+    if preset.kind == "bf16":
+        return {"weight": ((n, k), "uint16")}  # panels or row-major: the same shape
     if preset.kind == "q8":
         return {"q_weight": ((n, k), "int8"), "q_scale": ((n, k // g), preset.scale_dtype)}
     if preset.kind == "q4":
@@ -52,11 +57,17 @@ def quant_param_specs(
     raise ValueError(f"preset {preset.name} stores float32 weights")
 
 
+def bf16_panels(preset: QuantPreset, k: int, activations: str) -> bool:
+    """Is a q0bf16 weight with K columns stored in (and multiplied by) the bf16 kernels' panel
+    layout? With bf16 activations and an even K (the kernel reads K in pairs)."""
+    return uses_bf16(preset, activations) and k % 2 == 0
+
+
 def quantizes(preset: QuantPreset, shape: tuple[int, ...]) -> bool:
     """Is a 2-D weight of this shape stored in the preset's format (else kept float32)?"""
     if preset.kind == "none" or len(shape) != 2:
         return False
-    return preset.kind == "f16" or numpy_ref.is_quantizable(shape, preset.group_size)
+    return preset.kind in ("f16", "bf16") or numpy_ref.is_quantizable(shape, preset.group_size)
 
 
 def float_param_name(name: str) -> str:
@@ -88,6 +99,10 @@ def weight_transform(
     prefix = name[: -len("weight")]
     if preset.kind == "f16":
         return {name: np.ascontiguousarray(array, dtype=np.float16)}
+    if preset.kind == "bf16":
+        bits = numpy_ref.to_bf16(array)
+        panels = bf16_panels(preset, array.shape[1], activations)
+        return {name: numpy_ref.tile_rows(bits, 2) if panels else bits}
     if preset.kind == "q8":
         codes, scale = numpy_ref.quantize_q8(array, name, preset.scale_dtype, preset.group_size)
         params = {prefix + "q_weight": codes, prefix + "q_scale": scale}
@@ -134,6 +149,10 @@ def dequantize_params(
             return numpy_ref.dequantize_q4(*arrays)
         return numpy_ref.dequantize_q8(*arrays)
     (array,) = params.values()
+    if preset.kind == "bf16":
+        if bf16_panels(preset, array.shape[1], activations):
+            array = numpy_ref.untile_rows(array, 2)
+        return numpy_ref.from_bf16(array)
     return array.astype(np.float32)
 
 

@@ -27,6 +27,7 @@ CASES += [  # auto keeps the stored blocks bit for bit: the same 1e-4 parity as 
     ("llama", Q.Q4_0, None, "auto", AUTO_Q4),
     ("llama", Q.Q4_1, None, "auto", AUTO_Q4),
     ("llama", Q.F16, None, "auto", "q0f16"),
+    ("llama", Q.BF16, None, "auto", "q0bf16"),
     ("qwen2-tied", Q.Q4_1, Q.Q8_0, "auto", f"{AUTO_Q4}+q8f32"),  # like SmolLM2's GGUF
     ("llama", Q.Q4_0, Q.F32, "auto", f"{AUTO_Q4}+q0f32"),
 ]

@@ -140,7 +140,7 @@ def test_int8_linear_is_close_to_the_float_matmul(preset):
 def test_activations_option_is_validated():
     assert CompileOptions().activations == "auto"
     assert CompileOptions(activations="exact").activations == "exact"
-    with pytest.raises(MlcrunError, match="--activations 'fp8'.*auto, int8, exact"):
+    with pytest.raises(MlcrunError, match="--activations 'fp8'.*auto, int8, bf16, exact"):
         CompileOptions(activations="fp8")
     with pytest.raises(MlcrunError, match="--activations int8 is for --device cpu"):
         CompileOptions(activations="int8", device="cuda")

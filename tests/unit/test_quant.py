@@ -22,9 +22,16 @@ RNG = np.random.default_rng(0)
 # ----------------------------------------------------------------- presets
 def test_presets_table():
     bits = {name: p.bits_per_weight for name, p in PRESETS.items()}
-    assert bits == {"q0f32": 32, "q0f16": 16, "q4f32_1": 6, "q4f16_1": 5, "q8f32": 9}
+    assert bits == {
+        "q0f32": 32,
+        "q0f16": 16,
+        "q0bf16": 16,
+        "q4f32_1": 6,
+        "q4f16_1": 5,
+        "q8f32": 9,
+    }
     assert not PRESETS["q0f32"].quantizes_embedding
-    for name in ("q0f16", "q4f32_1", "q4f16_1", "q8f32"):
+    for name in ("q0f16", "q0bf16", "q4f32_1", "q4f16_1", "q8f32"):
         assert PRESETS[name].quantizes_embedding
 
 
@@ -159,7 +166,7 @@ def test_transform_matches_declared_params(preset):
         array = out[f"layer.proj.{suffix}"]
         assert array.shape == shape and str(array.dtype) == dtype
         assert float_param_name(f"layer.proj.{suffix}") == "layer.proj.weight"
-    tol = {"f16": 1e-3, "q8": 0.02, "q4": 0.35}[p.kind]
+    tol = {"f16": 1e-3, "bf16": 1e-2, "q8": 0.02, "q4": 0.35}[p.kind]
     np.testing.assert_allclose(dequantize_params(p, out), w, atol=tol)
 
 
@@ -178,6 +185,47 @@ def test_transform_keeps_odd_k_float32_under_q4_and_q8():
         assert list(out) == ["odd.weight"] and out["odd.weight"].dtype == np.float32
     out = weight_transform(get_preset("q0f16"), "odd.weight", w)
     assert out["odd.weight"].dtype == np.float16
+
+
+def _bf16_by_loop(x: float) -> int:
+    """Round one float32 to bfloat16 bits, nearest even, written out per element."""
+    bits = int(np.array([x], np.float32).view(np.uint32)[0])
+    if np.isnan(x):
+        return (bits >> 16) | 0x40
+    upper, lower = bits >> 16, bits & 0xFFFF
+    if lower > 0x8000 or (lower == 0x8000 and upper & 1):
+        upper += 1
+    return upper
+
+
+def test_bf16_rounds_to_nearest_even():
+    specials = [1.0, -2.5, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, 3.4e38, -3.4e38]
+    specials += [1e-40, -1e-42, 0.0, -0.0, np.inf, -np.inf, np.nan]  # denormals kept as they are
+    x = np.concatenate([np.array(specials, np.float32), RNG.standard_normal(500).astype("f4")])
+    got = numpy_ref.to_bf16(x)
+    assert got.dtype == np.uint16
+    assert got.tolist() == [_bf16_by_loop(float(v)) for v in x]
+    assert got[2] == 0x3F80 and got[3] == 0x3F82 and got[4] == 0x3F81  # ties to even, above
+    assert got[5] == 0x7F80  # 3.4e38 is past bf16's largest finite value: rounds to inf
+    back = numpy_ref.from_bf16(got)
+    assert np.isnan(back[13]) and np.array_equal(back[:13], back[:13])
+    np.testing.assert_allclose(back[14:], x[14:], rtol=2**-8)
+
+
+def test_bf16_weights_keep_bf16_values_bit_exactly():
+    """A bf16 checkpoint is read widened to float32; its q0bf16 params are the stored bits."""
+    stored = RNG.integers(0, 1 << 16, (33, 64), dtype=np.uint16)
+    stored[(stored & 0x7F80) == 0x7F80] = 0x3F80  # no inf / NaN
+    widened = numpy_ref.from_bf16(stored)
+    p = get_preset("q0bf16")
+    out = weight_transform(p, "layer.proj.weight", widened)
+    assert out["layer.proj.weight"].dtype == np.uint16
+    np.testing.assert_array_equal(out["layer.proj.weight"], stored)
+    np.testing.assert_array_equal(dequantize_params(p, out), widened)
+    panels = weight_transform(p, "layer.proj.weight", widened, "bf16")["layer.proj.weight"]
+    np.testing.assert_array_equal(panels, numpy_ref.tile_rows(stored, 2))
+    np.testing.assert_array_equal(dequantize_params(p, {"w": panels}, "bf16"), widened)
+    assert weight_transform(p, "model.norm.weight", widened[0])["model.norm.weight"].dtype == "f4"
 
 
 def test_float_param_name_leaves_other_names_alone():
@@ -242,7 +290,8 @@ def test_auto_picks_the_preset_of_the_dominant_storage_type():
     assert auto_preset({"Q4_0": 10}, {"F32": 5}) == "q4f16_1+q0f32"
     assert auto_preset({"Q8_0": 100, "Q4_0": 3}, {}) == "q8f32"
     assert auto_preset({"F16": 5}, {"F16": 5}) == "q0f16"
-    assert auto_preset({"BF16": 5}, {"BF16": 5}) == "q0f32"
+    assert auto_preset({"BF16": 5}, {"BF16": 5}) == "q0bf16"
+    assert auto_preset({"BF16": 5}, {"F32": 5}) == "q0bf16+q0f32"
     assert auto_preset({"F32": 5}, {"F32": 5}) == "q0f32"
     assert auto_preset({}, {}) == "q0f32"
 
