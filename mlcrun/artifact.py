@@ -74,7 +74,8 @@ class Artifact:
     draft_of: str | None = None
     format_version: int = FORMAT_VERSION
     # `mlcrun compile --activations`, resolved: "int8" (q4/q8 matmuls on int8 activations, their
-    # params in the int8 kernels' layout) or "exact" (float32 activations; older artifacts).
+    # params in the int8 kernels' layout), "bf16" (q0bf16 matmuls on bf16 activations, weights
+    # in panels) or "exact" (float32 activations; older artifacts).
     activations: str = "exact"
     # `mlcrun compile --kv-dtype`: the paged KV cache's dtype ("float32" for older artifacts).
     kv_dtype: str = "float32"

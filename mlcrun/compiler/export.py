@@ -27,7 +27,8 @@ def export_model(
     """The IRModule and its params as (name, shape, dtype), in the order functions take them.
     With a quantization preset, Linear/Embedding layers are rewritten first (quant/modules.py),
     so the params are the quantized ones (e.g. `X.q_weight`, `X.q_scale` for `X.weight`);
-    `activations="int8"` makes q4/q8 layers quantize their inputs (compile --activations);
+    `activations="int8"` makes q4/q8 layers quantize their inputs, "bf16" q0bf16 layers round
+    theirs to bf16 (compile --activations);
     `kv_dtype` is the paged KV cache's dtype (compile --kv-dtype)."""
     with target:
         model = quantize_model(DecoderLM(cfg, kv_dtype), get_preset(quantization), activations)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import MlcrunError
-from ..quant import ACTIVATIONS, PRESETS, get_preset, uses_int8
+from ..quant import ACTIVATIONS, PRESETS, get_preset, uses_bf16, uses_int8
 
 # "auto": the preset that holds the checkpoint's stored weights exactly (compiler/params.py)
 QUANTIZATIONS = ("auto", *PRESETS)
 DEVICES = ("cpu", "cuda")
-# How q4/q8 matmuls treat activations (quant/presets.py): "auto" is int8 where the target has
-# VNNI (AVX512-VNNI or AVX-VNNI), exact (float32) elsewhere and on CUDA.
+# How quantized matmuls treat activations (quant/presets.py): "auto" is int8 for q4/q8 where
+# the target has VNNI (AVX512-VNNI or AVX-VNNI), bf16 for q0bf16 where it has AVX512-BF16,
+# exact (float32) elsewhere and on CUDA.
 ACTIVATION_CHOICES = ("auto", *ACTIVATIONS)
 # The paged KV cache's dtype: float16 halves its memory and what decode attention reads
 # (attention computes in float32 either way; compiler/kv_attention.py).
@@ -47,6 +48,10 @@ class CompileOptions:
             )
         if self.activations == "int8" and self.device != "cpu":
             raise MlcrunError("--activations int8 is for --device cpu (VNNI); use exact or auto")
+        if self.activations == "bf16" and self.device != "cpu":
+            raise MlcrunError(
+                "--activations bf16 is for --device cpu (AVX512-BF16); use exact or auto"
+            )
         if self.kv_dtype not in KV_DTYPES:
             raise MlcrunError(
                 f"--kv-dtype {self.kv_dtype!r} is not available; choose from: "
@@ -68,21 +73,30 @@ DEFAULT_CONTEXT_CAP = 8192
 
 
 def resolve_activations(requested: str, target, quantization: str) -> str:
-    """What the artifact records and its q4/q8 layers run: `auto` -> "int8" when `target` (a
-    tvm Target) has VNNI, else "exact"; "int8" on a target without VNNI is refused (its kernels
-    would run the slow reference code). A preset without q4/q8 layers (q0f32, q0f16) resolves
-    to "exact" whatever was asked: nothing in it would change."""
-    from .target import int8_dot_bits  # noqa: PLC0415 - imports TVM
+    """What the artifact records and its quantized layers run: `auto` -> "int8" when the
+    preset has q4/q8 layers and `target` (a tvm Target) has VNNI, else "bf16" when it has
+    q0bf16 layers and the target AVX512-BF16, else "exact". "int8" / "bf16" on a target
+    without the instructions is refused (the kernels would run the slow reference code); on
+    a preset without such layers (q0f32, q0f16, q0bf16 for int8, q4/q8 for bf16) either
+    resolves to "exact": nothing in it would change."""
+    from .target import bf16_dot_bits, int8_dot_bits  # noqa: PLC0415 - imports TVM
 
     preset = get_preset(quantization)
-    if not (uses_int8(preset, "int8") or uses_int8(preset.for_embedding, "int8")):
-        return "exact"
-    bits = int8_dot_bits(target)
+    has_int8 = uses_int8(preset, "int8") or uses_int8(preset.for_embedding, "int8")
+    has_bf16 = uses_bf16(preset, "bf16") or uses_bf16(preset.for_embedding, "bf16")
     if requested == "auto":
-        return "int8" if bits else "exact"
-    if requested == "int8" and not bits:
+        if has_int8 and int8_dot_bits(target):
+            return "int8"
+        return "bf16" if has_bf16 and bf16_dot_bits(target) else "exact"
+    if requested == "int8" and has_int8 and not int8_dot_bits(target):
         raise MlcrunError(
             "--activations int8 needs a CPU with AVX512-VNNI or AVX-VNNI; this target has "
             "neither (use --activations exact)"
         )
+    if requested == "bf16" and has_bf16 and not bf16_dot_bits(target):
+        raise MlcrunError(
+            "--activations bf16 needs a CPU with AVX512-BF16 (use --activations exact)"
+        )
+    if (requested == "int8" and not has_int8) or (requested == "bf16" and not has_bf16):
+        return "exact"
     return requested

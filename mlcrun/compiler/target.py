@@ -111,6 +111,15 @@ def int8_dot_bits(target: Target) -> int:
     return 256 if "+avxvnni" in mattr else 0
 
 
+def bf16_dot_bits(target: Target) -> int:
+    """Width of the bf16 dot product (vdpbf16ps) the target can run: 512 with AVX512-BF16,
+    0 without it (or not an x86 llvm target)."""
+    if target.kind.name != "llvm":
+        return 0
+    mattr = {str(a) for a in (target.attrs.get("mattr") or ())}
+    return 512 if {"+avx512bf16", "+avx512f"} <= mattr else 0
+
+
 def resolve_target(device: str) -> Target:
     """Map a device name ("cpu", "llvm", "cuda", "cuda:sm_90") to a compilation target."""
     name, _, arch = device.partition(":")

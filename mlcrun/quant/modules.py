@@ -24,6 +24,11 @@ group of 32; opaque, so nothing fuses into it) and `int8_matmul` (a reduction ov
 the weights in the int8 layout, which FuseOps fuses epilogues into like any matmul). Their TE
 bodies are the reference semantics (correct, slow); compiler/schedules/int8.py recognises them
 by the INT8_ATTR block annotation and replaces the bodies with VNNI kernels.
+
+With bf16 activations (`activations="bf16"`, transform.bf16_panels) a q0bf16 QuantLinear is
+likewise two TE ops: `bf16_activations` (x -> bf16 bits, opaque) and `bf16_matmul` (over the
+bits and the weights in panels of 16 rows x 2 K-elements), recognised by BF16_ATTR and
+replaced with vdpbf16ps kernels by compiler/schedules/bf16.py.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from . import numpy_ref
 from .presets import GROUP_SIZE, QuantPreset, uses_int8
 from .transform import (
+    bf16_panels,
     dequantize_params,
     float_param_name,
     preset_for,
@@ -67,6 +73,9 @@ SCHEDULABLE_ATTR = "mlcrun.schedulable"
 # Block annotation of the int8-activation TE ops: "quantize_q4", "quantize_q8", "matmul_q4",
 # "matmul_q8" (compiler/schedules/int8.py generates their kernels).
 INT8_ATTR = "mlcrun.int8"
+# Block annotation of the bf16-activation TE ops: "round" (x -> bf16 bits) and "matmul"
+# (compiler/schedules/bf16.py generates their kernels).
+BF16_ATTR = "mlcrun.bf16"
 
 
 # ----------------------------------------------------------------- TE compute
@@ -88,8 +97,8 @@ def _tiled(n, col, rows: int, cols: int, unit: int) -> tuple:
 
 
 def _dequantize(preset: QuantPreset, w: list[te.Tensor], n, k, int8: bool = False) -> tirx.PrimExpr:
-    """Element [n, k] of the float32 weight, read from the packed params (in the int8 kernels'
-    layout when `int8`)."""
+    """Element [n, k] of the float32 weight, read from the packed params (in the int8 or bf16
+    kernels' panel layout when `int8`)."""
     g = preset.group_size
     if preset.kind == "f16":
         return w[0][n, k].astype(F32)
@@ -224,6 +233,56 @@ def int8_matmul(preset: QuantPreset, n: int, k: int, x: Tensor, *w: Tensor) -> T
     return op.tensor_expr_op(compute, "int8_matmul", args, attrs={SCHEDULABLE_ATTR: True})
 
 
+def round_to_bf16(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """float32 -> bfloat16 bits (uint16) as vcvtne2ps2bf16 rounds: nearest even, denormal
+    inputs flushed to (signed) zero, NaN kept a quiet NaN (numpy_ref.bf16_activations)."""
+    u32 = "uint32"
+    bits = tirx.reinterpret(u32, x)
+
+    def c(v):
+        return tirx.const(v, u32)
+
+    rounded = (bits + c(0x7FFF) + ((bits >> c(16)) & c(1))) >> c(16)
+    value = tirx.Select((bits & c(0x7FFFFFFF)) > c(0x7F800000), (bits >> c(16)) | c(0x40), rounded)
+    value = tirx.Select((bits & c(0x7F800000)) == c(0), (bits >> c(16)) & c(0x8000), value)
+    return value.astype("uint16")
+
+
+def bf16_activations(k: int, x: Tensor) -> Tensor:
+    """x [..., K] f32 -> [..., K] uint16 bf16 bits (round_to_bf16), one opaque TE op."""
+
+    def compute(x_te: te.Tensor) -> te.Tensor:
+        return te.compute(
+            x_te.shape,
+            lambda *i: round_to_bf16(x_te[i]),
+            name="bf16_round",
+            attrs={BF16_ATTR: "round"},
+        )
+
+    attrs = {SCHEDULABLE_ATTR: True, "op_pattern": 8}  # opaque: producers stay separate
+    return op.tensor_expr_op(compute, "bf16_activations", [x], attrs=attrs)
+
+
+def bf16_matmul(preset: QuantPreset, n: int, k: int, x: Tensor, *w: Tensor) -> Tensor:
+    """x [..., K] f32 @ W.T with x rounded to bf16 (bf16_activations) and W the bf16 bits in
+    panels (numpy_ref.tile_rows(., 2)). The TE body sums the exact float products in order;
+    the kernel (vdpbf16ps) sums the same products in pairs."""
+    bits = bf16_activations(k, x)
+
+    def compute(a_te, *w_te):
+        r = te.reduce_axis((0, k), "k")
+
+        def body(*idx):
+            lead, col = idx[:-1], idx[-1]
+            a = tirx.reinterpret(F32, a_te[(*lead, r)].astype("uint32") << tirx.const(16, "uint32"))
+            return te.sum(a * _dequantize(preset, list(w_te), col, r, int8=True), axis=r)
+
+        out_shape = (*a_te.shape[:-1], n)
+        return te.compute(out_shape, body, name="matmul", attrs={BF16_ATTR: "matmul"})
+
+    return op.tensor_expr_op(compute, "bf16_matmul", [bits, *w], attrs={SCHEDULABLE_ATTR: True})
+
+
 # ----------------------------------------------------------------- modules
 class _QuantWeight(nn.Module):
     """Params standing for a float [n, k] weight, declared in the order of quant_param_specs."""
@@ -231,6 +290,7 @@ class _QuantWeight(nn.Module):
     def _declare(self, preset: QuantPreset, n: int, k: int, activations: str) -> None:
         self.preset = preset
         self.int8 = uses_int8(preset, activations)  # int8 activations, int8 weight layout
+        self.bf16 = bf16_panels(preset, k, activations)  # bf16 activations, panel layout
         specs = quant_param_specs(preset, n, k, activations)
         for suffix, (shape, dtype) in specs.items():
             setattr(self, suffix, nn.Parameter(shape, dtype))
@@ -238,6 +298,11 @@ class _QuantWeight(nn.Module):
 
     def _weights(self) -> list[Tensor]:
         return [getattr(self, s) for s in self._suffixes]
+
+    def _matmul(self):
+        if self.int8:
+            return int8_matmul
+        return bf16_matmul if self.bf16 else dequantize_matmul
 
 
 class QuantLinear(_QuantWeight):
@@ -254,8 +319,7 @@ class QuantLinear(_QuantWeight):
         self.bias = nn.Parameter((out_features,), F32) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        matmul = int8_matmul if self.int8 else dequantize_matmul
-        y = matmul(self.preset, self.out_features, self.in_features, x, *self._weights())
+        y = self._matmul()(self.preset, self.out_features, self.in_features, x, *self._weights())
         return y + self.bias if self.bias is not None else y
 
 
@@ -269,15 +333,15 @@ class QuantEmbedding(_QuantWeight):
     def lookup(self, ids: Tensor) -> Tensor:
         """[n] int32 -> [n, dim] float32."""
         weights = self._weights()
-        return dequantize_take(self.preset, self.num, self.dim, ids, *weights, int8=self.int8)
+        packed = self.int8 or self.bf16
+        return dequantize_take(self.preset, self.num, self.dim, ids, *weights, int8=packed)
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.lookup(ids)
 
     def lm_head_forward(self, x: Tensor) -> Tensor:
         """x [..., dim] -> logits [..., num]: x @ table.T with the dequantize fused in."""
-        matmul = int8_matmul if self.int8 else dequantize_matmul
-        return matmul(self.preset, self.num, self.dim, x, *self._weights())
+        return self._matmul()(self.preset, self.num, self.dim, x, *self._weights())
 
 
 class _Rewriter(nn.Mutator):

@@ -236,3 +236,33 @@ def int8_linear(x: np.ndarray, kind: str, params: tuple, group_size: int = GROUP
     if kind == "q4":
         y += (mins.astype(np.float64)[None] * (da64 * sums[:, None, :])).sum(-1)
     return y
+
+
+# ----------------------------------------------------------------- bf16 activations
+# The bf16-activation kernels (compiler/schedules/bf16.py) round each matmul input to bfloat16
+# (vcvtne2ps2bf16) and multiply with vdpbf16ps: 16 float32 lanes, each adding the products of
+# one K-pair. Both instructions round to nearest even and treat denormal inputs as zero,
+# whatever MXCSR says. The weights are stored as q0bf16 bits in panels: tile_rows(bits, 2).
+
+
+def bf16_activations(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits as the kernels round them: to_bf16 with denormals flushed to
+    (signed) zero."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    denormal = (bits & 0x7F800000) == 0
+    return np.where(denormal, (bits >> 16) & 0x8000, to_bf16(x)).astype(np.uint16)
+
+
+def bf16_linear(x: np.ndarray, w_bits: np.ndarray) -> np.ndarray:
+    """[M, K] f32 @ W.T with W [N, K] bf16 bits (row-major), as the bf16 kernels compute it:
+    x rounded by bf16_activations, denormal weights read as zero, the exact products summed
+    in float32 (per K-pair: the odd product, then the even one)."""
+    a = from_bf16(bf16_activations(x)).astype(np.float32)
+    w = from_bf16(w_bits)
+    w = np.where((np.asarray(w_bits) & 0x7F80) == 0, np.float32(0), w)
+    acc = np.zeros((a.shape[0], w.shape[0]), np.float32)
+    for kp in range(a.shape[1] // 2):
+        for k in (2 * kp + 1, 2 * kp):
+            acc = (acc + np.outer(a[:, k], w[:, k]).astype(np.float32)).astype(np.float32)
+    return acc

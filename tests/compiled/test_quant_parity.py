@@ -6,7 +6,8 @@
 2. Agreement with q0f32 over 64 teacher-forced positions (one batch_verify over a chain):
    how much the quantization itself changes the model.
 3. int8 activations (`--activations int8`, where the CPU has VNNI) against the exact
-   (float32-activation) compile of the same preset: what quantizing the activations costs.
+   (float32-activation) compile of the same preset: what quantizing the activations costs;
+   likewise bf16 activations for q0bf16 (`--activations bf16`, where it has AVX512-BF16).
 
 On agreement: Gaussian random weights are the worst case for a 4-bit min/max quantizer (every
 weight matters equally, no outliers to absorb the range), and the error compounds with the
@@ -28,7 +29,7 @@ from checkpoints import ARCHS, COMMON, load_reference, write_tokenizer
 
 from mlcrun.compiler.build import compile_model
 from mlcrun.compiler.options import CompileOptions
-from mlcrun.compiler.target import cpu_target, int8_dot_bits
+from mlcrun.compiler.target import bf16_dot_bits, cpu_target, int8_dot_bits
 from mlcrun.quant import get_preset
 from mlcrun.quant.transform import dequantize_params, weight_transform
 from mlcrun.runtime import Model
@@ -155,6 +156,25 @@ def test_int8_activations_stay_close_to_exact(preset, low_init_checkpoint, compi
         np.testing.assert_allclose(got, want, atol=0.02, rtol=0)
         assert np.array_equal(got.argmax(-1), want.argmax(-1))
         assert _cosine(got, want) >= 0.9999
+
+
+@pytest.mark.skipif(not bf16_dot_bits(cpu_target()), reason="no AVX512-BF16")
+@pytest.mark.parametrize("checkpoint", ["low-init-tied", "llama"])
+def test_bf16_activations_stay_close_to_exact(checkpoint, checkpoints, low_init_checkpoint,
+                                              compiled):  # fmt: skip
+    """q0bf16 with activations rounded to bf16 (vdpbf16ps) against its exact compile."""
+    folder = low_init_checkpoint if checkpoint == "low-init-tied" else checkpoints(checkpoint)
+    exact = compiled(folder, "q0bf16")
+    fast = compiled(folder, "q0bf16", "bf16")
+    from mlcrun import artifact
+
+    assert artifact.read(fast).activations == "bf16"
+    for run in (teacher_forced, decoded):
+        want, got = run(exact), run(fast)
+        print(checkpoint, run.__name__, "max |bf16 - exact|", np.abs(got - want).max())
+        np.testing.assert_allclose(got, want, atol=0.05, rtol=0)
+        assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
+        assert _cosine(got, want) >= 0.999
 
 
 def test_artifact_records_quantized_params(low_init_checkpoint, compiled):

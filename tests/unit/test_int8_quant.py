@@ -166,12 +166,36 @@ class _Target:
         ("auto", "q0f32", _Target("llvm", "+avx512vnni"), "exact"),  # nothing to quantize
         ("int8", "q0f16", _Target("llvm", "+avx512vnni"), "exact"),
         ("auto", "q0f16+q8f32", _Target("llvm", "+avx512vnni"), "int8"),  # the q8 table/head
+        ("auto", "q0bf16", _Target("llvm", "+avx512f", "+avx512bf16"), "bf16"),
+        ("auto", "q0bf16", _Target("llvm", "+avx512f", "+avx512vnni"), "exact"),
+        ("auto", "q0bf16", _Target("cuda"), "exact"),
+        ("bf16", "q0bf16", _Target("llvm", "+avx512f", "+avx512bf16"), "bf16"),
+        ("exact", "q0bf16", _Target("llvm", "+avx512f", "+avx512bf16"), "exact"),
+        ("int8", "q0bf16", _Target("llvm", "+avx512f", "+avx512bf16"), "exact"),
+        ("bf16", "q4f16_1", _Target("llvm", "+avx512f", "+avx512bf16"), "exact"),
+        # int8 wins a mixed preset where both apply (one mode per artifact)
+        (
+            "auto",
+            "q4f16_1+q0bf16",
+            _Target("llvm", "+avx512f", "+avx512vnni", "+avx512bf16"),
+            "int8",
+        ),
+        ("auto", "q0bf16+q8f32", _Target("llvm", "+avx512f", "+avx512bf16"), "bf16"),
     ],
 )
 def test_activations_resolve_per_target_and_preset(requested, quantization, target, want):
     from mlcrun.compiler.options import resolve_activations
 
     assert resolve_activations(requested, target, quantization) == want
+
+
+def test_bf16_activations_are_refused_without_avx512_bf16():
+    from mlcrun.compiler.options import resolve_activations
+
+    with pytest.raises(MlcrunError, match="AVX512-BF16"):
+        resolve_activations("bf16", _Target("llvm", "+avx512f", "+avx512vnni"), "q0bf16")
+    with pytest.raises(MlcrunError, match="--device cpu"):
+        CompileOptions(activations="bf16", device="cuda")
 
 
 def test_int8_activations_are_refused_without_vnni():

@@ -2,6 +2,8 @@
 
 Rules are tried in order; the first that applies wins:
 
+0. `int8.schedule` / `bf16.schedule`: the int8- and bf16-activation ops of quant/modules.py
+   (recognised by their block annotations), hand-written VNNI / vdpbf16ps kernels.
 1. `matmul.schedule`: NT matmul + epilogue (every Linear); GEMV/GEMM variants, see matmul.py.
 2. Row reductions (RMSNorm, softmax, ...): the wheel's `s_tir.dlight.cpu.Reduction` (parallel
    over rows, vectorized elementwise parts) -- these are a tiny share of the time.
@@ -22,8 +24,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.cpu import Reduction
 from tvm.target import Target
 
-from ..target import int8_dot_bits, vector_bits
-from . import int8, matmul
+from ..target import bf16_dot_bits, int8_dot_bits, vector_bits
+from . import bf16, int8, matmul
 
 LOG = logging.getLogger(__name__)
 
@@ -107,6 +109,7 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     bits = vector_bits(target)
     rules = [
         ("int8", lambda f: int8.schedule(f, int8_dot_bits(target))),  # int8 activations (VNNI)
+        ("bf16", lambda f: bf16.schedule(f, bf16_dot_bits(target))),  # bf16 (AVX512-BF16)
         ("matmul", lambda f: matmul.schedule(f, bits)),
         ("reduction", lambda f: schedule_reduction(f, target)),
         ("injective", lambda f: schedule_injective(f, max(bits // 32, 1))),

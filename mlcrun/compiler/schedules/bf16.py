@@ -1,0 +1,259 @@
+"""CPU kernels for bf16 activations: round x to bfloat16 once, multiply with vdpbf16ps.
+
+quant/modules.py emits two TE ops per q0bf16 Linear when a model is compiled with bf16
+activations (`--activations bf16`, or `auto` on a CPU with AVX512-BF16); their TE bodies state
+the math. This rule recognises them by their `BF16_ATTR` block annotation and replaces each
+function's body with a kernel written here (the structure of int8.py's):
+
+* `round`: x -> bf16 bits, 32 elements at a time: two 16-float vectors become one vector of 32
+  bf16 (vcvtne2ps2bf16: nearest even, denormals flushed; bit for bit
+  numpy_ref.bf16_activations). Rows run in parallel from PARALLEL_ROWS rows on.
+* `matmul` (+ whatever FuseOps fused after it: bias, residual add, ...): the weights are bf16
+  bits in panels of 16 output rows x 2 K-elements (numpy_ref.tile_rows(., 2), i.e.
+  [N/16, K/2, 16, 2]), so one 64-byte load holds the next K-pair of 16 outputs, and each
+  vdpbf16ps multiplies it with one activation pair (32 bits) broadcast to the 16 lanes, adding
+  both products into 16 float32 accumulators. A micro-kernel holds MR rows x NP panels of
+  accumulators (one 16-float buffer each, so all stay in registers) and uses every loaded
+  weight vector for its MR rows; the parallel loop runs over tiles of NP panels, each
+  streaming all rows (decode M = 1, small-M batches and prefill alike), MR rows at a time,
+  then the remaining 1..MR-1. The last N % 16 outputs run in scalar code after the parallel
+  loop (only odd-shaped layers have them), with the products summed in vdpbf16ps's order.
+
+The epilogue is int8.py's: the fused blocks after the matmul are inlined into one and its
+value expression is evaluated on each output tile as it leaves the registers.
+
+LLVM types the bf16 intrinsics' operands as `<32 x bfloat>`, which TVM cannot express (its
+bfloat16 lowers to i16), so each is called through a small LLVM IR wrapper that takes and
+returns i32 vectors and bitcasts (`pragma_import_llvm`: linked into the module and inlined).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tvm import s_tir, tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
+
+from ...quant import numpy_ref
+from ...quant.modules import BF16_ATTR
+from .int8 import _bcast, _buffers, _c, _epilogue, _flat, _ramp, _rows, _static, _with_body
+
+LOG = logging.getLogger(__name__)
+
+PANEL = numpy_ref.PANEL  # output rows per weight panel = float32 lanes of a 512-bit vdpbf16ps
+MR = 4  # rows per micro-kernel
+NP_CHOICES = (4, 3, 2)  # panels per tile: the widest leaving >= MIN_TILES parallel tiles
+MIN_TILES = 16
+PARALLEL_ROWS = 32  # the round kernel runs rows in parallel from this many rows on
+F32 = "float32"
+F32X16 = "float32x16"
+I32X16 = "int32x16"
+
+DOT = "mlcrun_dpbf16ps"
+CVT = "mlcrun_cvtne2ps2bf16"
+# linkonce_odr: every kernel imports the same definitions into the one LLVM module.
+LLVM_WRAPPERS = f"""
+define linkonce_odr <16 x float> @{DOT}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) {{
+  %ab = bitcast <16 x i32> %a to <32 x bfloat>
+  %bb = bitcast <16 x i32> %b to <32 x bfloat>
+  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %ab,
+                                                           <32 x bfloat> %bb)
+  ret <16 x float> %r
+}}
+define linkonce_odr <16 x i32> @{CVT}(<16 x float> %hi, <16 x float> %lo) {{
+  %r = call <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float> %hi,
+                                                                  <16 x float> %lo)
+  %i = bitcast <32 x bfloat> %r to <16 x i32>
+  ret <16 x i32> %i
+}}
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+declare <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float>, <16 x float>)
+"""
+
+
+def _with_wrappers():
+    """Scope whose body may call the wrappers (imported once per function)."""
+    return T.attr(tirx.const(0, "int32"), "pragma_import_llvm", LLVM_WRAPPERS)
+
+
+def _annotated_blocks(sch: s_tir.Schedule) -> list:
+    root = sch.get_sblock(sch.mod["main"].body.block.name_hint)
+    return [b for b in sch.get_child_blocks(root) if BF16_ATTR in sch.get(b).annotations]
+
+
+# ----------------------------------------------------------------- round kernel
+def _round_kernel(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    bufs = _buffers(func)
+    xs = [b for b in bufs if b.dtype == F32]
+    outs = [b for b in bufs if b.dtype == "uint16"]
+    if len(bufs) != 2 or len(xs) != 1 or len(outs) != 1:
+        return None
+    x, out = xs[0], outs[0]
+    k = _static(out.shape[-1])
+    if k is None or k % 32 or _static(x.shape[-1]) != k:
+        return None
+
+    def row(m, xf, of) -> None:
+        with T.serial(_c(0), _c(k // 32)) as j:
+            base = m * k + j * 32
+            lo, hi = xf[_ramp(base, 16)], xf[_ramp(base + 16, 16)]
+            pair = T.call_pure_extern(I32X16, CVT, hi, lo)
+            T.buffer_store(of, tirx.reinterpret("uint16x32", pair), [_ramp(base, 32)])
+
+    rows = _rows(out)
+    with IRBuilder() as ib:
+        with T.prim_func():
+            xf, of = _flat(x), _flat(out)
+            with _with_wrappers():
+                with T.If(rows >= PARALLEL_ROWS):
+                    with T.Then():
+                        with T.parallel(_c(0), rows) as m:
+                            row(m, xf, of)
+                    with T.Else():
+                        with T.serial(_c(0), rows) as m:
+                            row(m, xf, of)
+    return _with_body(func, ib.get().body)
+
+
+# ----------------------------------------------------------------- matmul kernel
+class _MatmulKernel:
+    """Emits the matmul kernel's body with the IR builder (see the module docstring)."""
+
+    def __init__(self, acts, weight, out, epilogue) -> None:
+        self.acts, self.weight, self.out, self.epilogue = acts, weight, out, epilogue
+        self.n, self.k = _static(weight.shape[0]), _static(weight.shape[1])
+        self.pairs = self.k // 2
+        self.panels, self.tail = divmod(self.n, PANEL)
+        self.np = next(
+            (p for p in NP_CHOICES if self.panels % p == 0 and self.panels // p >= MIN_TILES), 1
+        )
+
+    def _act(self, m, kp):
+        """The activation pair kp of row m (32 bits), broadcast to the 16 lanes."""
+        word = tirx.reinterpret("int32", self.af[_ramp(m * self.k + kp * 2, 2)])
+        return _bcast(word, 16)
+
+    def _weights(self, panel, kp):
+        """The K-pair kp of the 16 rows of a (full) panel: 32 bf16 as int32x16."""
+        off = panel * (PANEL * self.k) + kp * (2 * PANEL)
+        return tirx.reinterpret(I32X16, self.wf[_ramp(off, 32)])
+
+    def _lead(self, m) -> list:
+        lead, rest = [], m
+        for d in reversed(list(self.out.shape[:-1])):
+            lead.insert(0, rest % d)
+            rest = rest // d
+        return lead
+
+    def micro(self, m0, mr: int, p0, npn: int) -> None:
+        accs = [[T.alloc_buffer((PANEL,), F32) for _ in range(npn)] for _ in range(mr)]
+        zero = _bcast(tirx.const(0, F32), 16)
+        all16 = _ramp(_c(0), 16)
+        for r in range(mr):
+            for j in range(npn):
+                T.buffer_store(accs[r][j], zero, [all16])
+        with T.serial(_c(0), _c(self.pairs)) as kp:
+            acts = [self._act(m0 + r, kp) for r in range(mr)]
+            for j in range(npn):
+                w = self._weights(p0 + j, kp)
+                for r in range(mr):
+                    value = T.call_pure_extern(F32X16, DOT, accs[r][j][all16], w, acts[r])
+                    T.buffer_store(accs[r][j], value, [all16])
+        for r in range(mr):
+            lead = self._lead(m0 + r)
+            for j in range(npn):
+                col = (p0 + j) * PANEL
+                with T.vectorized(_c(0), _c(PANEL)) as lane:
+                    value = self.epilogue(accs[r][j][lane], lead, col + lane)
+                    T.buffer_store(self.out, value, [*lead, col + lane])
+
+    def row_tiles(self, rows, p0, npn: int) -> None:
+        """All rows against panels p0 .. p0+npn-1: MR at a time, then the remainder."""
+        with T.serial(_c(0), rows // MR) as mo:
+            self.micro(mo * MR, MR, p0, npn)
+        for rem in range(1, MR):
+            with T.If(rows % MR == rem):
+                with T.Then():
+                    self.micro(rows - rem, rem, p0, npn)
+
+    def tail_outputs(self, rows) -> None:
+        """The last N % 16 outputs (a panel of `tail` rows, [K/2, tail, 2]), in scalar code
+        with vdpbf16ps's order: per pair the odd product, then the even one."""
+        width, base = self.tail, self.panels * PANEL * self.k
+
+        def f32(bits):
+            return tirx.reinterpret(F32, bits.astype("uint32") << tirx.const(16, "uint32"))
+
+        with T.serial(_c(0), rows) as m:
+            with T.serial(_c(0), _c(width)) as lane:
+                acc = T.alloc_buffer((1,), F32)
+                T.buffer_store(acc, tirx.const(0, F32), [_c(0)])
+                with T.serial(_c(0), _c(self.pairs)) as kp:
+                    value = acc[_c(0)]
+                    for half in (1, 0):
+                        a = f32(self.af[m * self.k + kp * 2 + half])
+                        w = f32(self.wf[base + (kp * width + lane) * 2 + half])
+                        value = value + a * w
+                    T.buffer_store(acc, value, [_c(0)])
+                col = self.panels * PANEL + lane
+                lead = self._lead(m)
+                T.buffer_store(self.out, self.epilogue(acc[_c(0)], lead, col), [*lead, col])
+
+    def build(self):
+        rows = _rows(self.acts)
+        with IRBuilder() as ib:
+            with T.prim_func():
+                self.af, self.wf = _flat(self.acts), _flat(self.weight)
+                with _with_wrappers():
+                    tiles = self.panels // self.np
+                    if tiles:
+                        with T.parallel(_c(0), _c(tiles)) as t:
+                            self.row_tiles(rows, t * self.np, self.np)
+                    for p in range(tiles * self.np, self.panels):
+                        self.row_tiles(rows, _c(p), 1)
+                    if self.tail:
+                        self.tail_outputs(rows)
+        return ib.get().body
+
+
+def _matmul_kernel(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    sch = s_tir.Schedule(func)
+    (block,) = _annotated_blocks(sch)
+    reads = [r.source for r in sch.get(block).reads]
+    if len(reads) != 2:
+        return None
+    acts, weight = reads
+    n, k = _static(weight.shape[0]), _static(weight.shape[1])
+    if (
+        acts.dtype != "uint16"
+        or weight.dtype != "uint16"
+        or n is None
+        or k is None
+        or k % 2
+        or _static(acts.shape[-1]) != k
+    ):
+        return None
+    found = _epilogue(sch, block, func)
+    if found is None:
+        return None
+    out, epilogue = found
+    return _with_body(func, _MatmulKernel(acts, weight, out, epilogue).build())
+
+
+def schedule(func: tirx.PrimFunc, bf16_bits: int) -> tirx.PrimFunc | None:
+    """The vdpbf16ps kernel for a bf16-activation op of quant/modules.py, or None for any
+    other function (or when the target has no AVX512-BF16: the TE body then runs as
+    scheduled by the generic rules)."""
+    sch = s_tir.Schedule(func)
+    blocks = _annotated_blocks(sch)
+    if len(blocks) != 1:
+        return None
+    kind = str(sch.get(blocks[0]).annotations[BF16_ATTR])
+    if not bf16_bits:
+        LOG.warning("bf16 activations without AVX512-BF16: %s runs its reference TE body", kind)
+        return None
+    result = _round_kernel(func) if kind == "round" else _matmul_kernel(func)
+    if result is None:
+        LOG.warning("bf16 rule: unexpected %s function; it runs its reference TE body", kind)
+    return result
