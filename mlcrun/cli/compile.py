@@ -50,7 +50,7 @@ def compile_command(
         None,
         "--draft-quantization",
         help="Also write OUT/draft-Q/: the model's own weights in Q (e.g. q4f16_1+q8f32), a "
-        "draft for self-speculative decoding of q0f32, q0f16 and q8f32 models.",
+        "draft for self-speculative decoding of q0f32, q0f16, q0bf16 and q8f32 models.",
     ),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT if it exists."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log each phase."),

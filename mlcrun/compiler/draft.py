@@ -19,7 +19,7 @@ Where drafts live:
 A draft only pays when it reads markedly less weight memory per token than the target, so a
 target whose linear layers are not at least `MIN_BITS_RATIO` times as wide (bits per weight)
 as the draft's is refused: a q4 self-draft (the default, `DEFAULT_DRAFT_QUANTIZATION`, keeps the
-embedding table and lm_head in q8f32) helps q0f32, q0f16 and q8f32 targets, not q4 ones (the
+embedding table and lm_head in q8f32) helps q0f32, q0f16, q0bf16 and q8f32 targets, not q4 ones (the
 default model is q4f16_1+q8f32).
 """
 

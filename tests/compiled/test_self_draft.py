@@ -217,7 +217,7 @@ def test_refuses_a_target_as_narrow(target, tmp_path, quantization):
     message = str(err.value)
     assert "\n" not in message
     assert f"a {quantization} model" in message
-    assert "helps q0f32, q0f16 and q8f32 targets" in message
+    assert "helps q0f32, q0f16, q0bf16 and q8f32 targets" in message
 
 
 @pytest.mark.parametrize(
@@ -232,7 +232,7 @@ def test_refuses_a_bad_draft_quantization(target, quantization, needle):
 def test_other_draft_presets():
     draft_mod.check_helps("q0f32", "q8f32")
     draft_mod.check_helps("q0f16", "q4f16_1+q8f32")
-    with pytest.raises(MlcrunError, match="helps q0f32 and q0f16 targets"):
+    with pytest.raises(MlcrunError, match="helps q0f32, q0f16 and q0bf16 targets"):
         draft_mod.check_helps("q8f32", "q8f32")
 
 
@@ -243,7 +243,7 @@ def test_cli_refuses_before_compiling(checkpoints, tmp_path, home):
     assert result.returncode == 1, result.stderr
     err = result.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert "a q4f16_1 model" in err and "q0f32, q0f16 and q8f32 targets" in err, err
+    assert "a q4f16_1 model" in err and "q0f32, q0f16, q0bf16 and q8f32 targets" in err, err
     assert not out.exists()
 
 
