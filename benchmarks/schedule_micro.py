@@ -9,7 +9,12 @@
   stream (the fair ceiling for a GEMV), and with numpy/OpenBLAS sgemv on the same weights.
   This VM's memory bandwidth drifts by up to 2x within minutes, so each token pass is timed
   right after a read-stream pass and the ratio is the median of those pairs.
-* prefill: GEMM with M rows (default 512), GFLOP/s next to numpy (OpenBLAS) sgemm.
+* prefill: GEMM with M rows (default 512), GFLOP/s next to numpy (OpenBLAS) sgemm, TVM and
+  numpy alternating call by call, on SmolLM2's shapes and (`--gemm-shapes qwen`) those of
+  Qwen2.5-0.5B. `--gemm-only` skips the decode part (and its 538 MB of weights). With
+  `--threads 1` both libraries run on the calling thread, so the GEMMs are timed by that
+  thread's CPU time: a busy machine (other jobs on the other core) then moves the numbers by
+  ~1-2% instead of 2x, which makes it the setting for comparing kernel variants.
 
 The kernels are built as the pipeline builds them (relax legalize + fuse with a symbolic row
 count, then mlcrun's CPU rules), so the timed code includes the GEMV/GEMM dispatch on M.
@@ -36,12 +41,15 @@ LAYER_SHAPES = [
     ("down", HIDDEN, INTER),
 ]
 SHAPES = [*LAYER_SHAPES, ("lm_head", VOCAB, HIDDEN)]
+# Qwen2.5-0.5B: hidden 896, intermediate 4864, 14 heads / 2 kv heads of 64 (GEMM shapes only).
+QWEN_SHAPES = [("qkv", (14 + 2 * 2) * 64, 896), ("o", 896, 896), ("gate_up", 2 * 4864, 896)]
+QWEN_SHAPES.append(("down", 896, 4864))
 
 
-def _time(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+def _time(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> float:
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _median_time(fn: Callable[[], object], repeat: int) -> float:
@@ -148,14 +156,51 @@ def numpy_token(weights: dict[str, list]) -> Callable[[], None]:
     return lambda: [xs[name] @ w.T for name, ws in weights.items() for w in ws]
 
 
-def numpy_gemm(weights: dict[str, list], rows: int, repeat: int) -> dict[str, float]:
+def gemm_cases(shapes: list, rows: int) -> list[tuple]:
+    """(name, GFLOP, A [rows, k], W [n, k]) of each GEMM shape, random fp32 operands."""
     import numpy as np
 
+    rng = np.random.default_rng(0)
+    return [
+        (
+            name,
+            2 * rows * n * k / 1e9,
+            *(rng.standard_normal(s, np.float32) for s in [(rows, k), (n, k)]),
+        )
+        for name, n, k in shapes
+    ]
+
+
+def numpy_gemm(cases: list[tuple], repeat: int) -> dict[str, float]:
+    """numpy/OpenBLAS GFLOP/s of each case (run before any TVM kernel: TVM's idle workers spin
+    for a while and would steal the cores)."""
+    return {
+        name: flop / _median_time(lambda a=a, w=w: a @ w.T, repeat) for name, flop, a, w in cases
+    }
+
+
+def tvm_gemm(cases: list[tuple], repeat: int, numpy_rates: dict | None) -> dict[str, tuple]:
+    """{name: (TVM GFLOP/s, numpy GFLOP/s)}, medians. Without `numpy_rates` (one thread) TVM
+    and numpy alternate call by call, timed by the thread's CPU time."""
+    import tvm
+
+    dev = tvm.cpu()
     result = {}
-    for name, ws in weights.items():
-        n, k = ws[0].shape
-        a = np.ones((rows, k), np.float32)
-        result[name] = 2 * rows * n * k / _median_time(lambda a=a, w=ws[0]: a @ w.T, repeat) / 1e9
+    for name, flop, a, w in cases:
+        f = linear_func(w.shape[0], w.shape[1])
+        x, wt = tvm.runtime.tensor(a[None], dev), tvm.runtime.tensor(w, dev)
+        o = tvm.runtime.empty((1, a.shape[0], w.shape[0]), "float32", dev)
+
+        def run(f=f, x=x, wt=wt, o=o) -> None:
+            f(x, wt, o)
+
+        if numpy_rates is not None:
+            result[name] = (flop / _median_time(run, repeat), numpy_rates[name])
+            continue
+        run(), a @ w.T  # warm up
+        clock = time.thread_time
+        times = [(_time(run, clock), _time(lambda a=a, w=w: a @ w.T, clock)) for _ in range(repeat)]
+        result[name] = tuple(flop / statistics.median(t[i] for t in times) for i in (0, 1))
     return result
 
 
@@ -181,28 +226,13 @@ def tvm_decode(weights: dict[str, list]) -> tuple[Callable[[], None], dict[str, 
     return token, calls
 
 
-def tvm_gemm(weights: dict[str, list], rows: int, repeat: int) -> dict[str, float]:
-    import numpy as np
-    import tvm
-
-    dev = tvm.cpu()
-    result = {}
-    for name, ws in weights.items():
-        n, k = ws[0].shape
-        f = linear_func(n, k)
-        x = tvm.runtime.tensor(np.ones((1, rows, k), np.float32), dev)
-        w = tvm.runtime.tensor(ws[0], dev)
-        o = tvm.runtime.empty((1, rows, n), "float32", dev)
-        t = _median_time(lambda f=f, x=x, w=w, o=o: f(x, w, o), repeat)
-        result[name] = 2 * rows * n * k / t / 1e9
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="TVM and BLAS worker threads")
     parser.add_argument("--rows", type=int, default=512, help="prefill rows (tokens)")
     parser.add_argument("--repeat", type=int, default=11)
+    parser.add_argument("--gemm-only", action="store_true", help="skip the decode GEMVs")
+    parser.add_argument("--gemm-shapes", choices=["smollm2", "qwen"], default="smollm2")
     args = parser.parse_args()
     # Both pools read these once, at start-up; TVM's runtime.config_threadpool has no effect.
     for var in ("TVM_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -214,6 +244,18 @@ def main() -> None:
 
     print(f"target: {cpu_target()}")
     print(f"threads: {args.threads} (TVM NumThreads={tvm.get_global_func('runtime.NumThreads')()})")
+    cases = gemm_cases(SHAPES if args.gemm_shapes == "smollm2" else QWEN_SHAPES, args.rows)
+    # One thread: measured alternating, by CPU time (see the module doc).
+    numpy_rates = numpy_gemm(cases, args.repeat) if args.threads > 1 else None
+    if not args.gemm_only:
+        decode(args)
+    print(f"\nprefill GEMM ({args.gemm_shapes}, M={args.rows}, fp32)   TVM GFLOP/s   numpy GFLOP/s")
+    for name, (tvm_rate, np_rate) in tvm_gemm(cases, args.repeat, numpy_rates).items():
+        print(f"  {name:<26s} {tvm_rate:12.1f} {np_rate:15.1f}")
+
+
+def decode(args: argparse.Namespace) -> None:
+    """The decode part: one token's GEMVs against the read stream, the triad and numpy."""
     weights = make_weights()
     nbytes = sum(w.nbytes for ws in weights.values() for w in ws)
     triad, triad_bytes = triad_pass(args.threads)
@@ -221,13 +263,11 @@ def main() -> None:
     triad_gbps = triad_bytes / _median_time(triad, args.repeat) / 1e9
     # numpy before TVM: TVM's idle workers spin for a while and would steal the cores.
     t_read_np, t_np, ratio_np = _paired(read, numpy_token(weights), args.repeat)
-    np_gemm = numpy_gemm(weights, args.rows, args.repeat)
 
     busy0, own0, wall0 = *_busy_seconds(), time.perf_counter()
     token, calls = tvm_decode(weights)
     t_read, t_token, ratio = _paired(read, token, args.repeat)
     per_shape = {name: _median_time(call, args.repeat) for name, call in calls.items()}
-    gemm = tvm_gemm(weights, args.rows, args.repeat)
     busy1, own1, wall1 = *_busy_seconds(), time.perf_counter()
     others = max(busy1 - busy0 - (own1 - own0), 0.0) / (wall1 - wall0)
 
@@ -253,9 +293,6 @@ def main() -> None:
         f"  numpy/OpenBLAS sgemv, same token: {t_np * 1e3:.2f} ms, {np_gbps:.1f} GB/s = "
         f"{100 * np_frac:.0f}% of the read stream ({read_bytes / t_read_np / 1e9:.1f} GB/s then)"
     )
-    print(f"\nprefill GEMM (M={args.rows}, fp32)   TVM GFLOP/s   numpy GFLOP/s")
-    for name, gflops in gemm.items():
-        print(f"  {name:<26s} {gflops:12.1f} {np_gemm[name]:15.1f}")
 
 
 if __name__ == "__main__":
