@@ -75,6 +75,8 @@ def _vm(mod: tvm.IRModule) -> relax.VirtualMachine:
         (64, 48, "float32", "residual"),
         (64, 32, "float32", "bias_silu_mul"),  # a chain of epilogue blocks
         (80, 64, "float16", "residual"),  # fp16 storage, fp32 accumulation, cast epilogue
+        (36, 1040, "float32", "residual"),  # K >= GEMM_LONG_K: 6-row tiles of 8 lanes
+        (30, 1028, "float32", "bias"),  # the same with NR=3 and 4 lanes
     ],
 )
 def test_matmul_matches_numpy(n: int, k: int, dtype: str, epilogue: str) -> None:
@@ -291,7 +293,8 @@ def test_exported_kernels_are_left_alone() -> None:
         tvm.ir.assert_structural_equal(after[name].body, func.body)
 
 
-def test_matmul_accumulators_fit_on_the_stack() -> None:
+@pytest.mark.parametrize(("n", "k"), [(1536, 576), (576, 1536)])  # 3-row and 6-row GEMM tiles
+def test_matmul_accumulators_fit_on_the_stack(n: int, k: int) -> None:
     """TVM puts small "global" allocations on the stack; anything else is a heap workspace
     that LLVM must assume aliases the operands as soon as one kernel in the module lacks
     `tirx.noalias` (the KV cache's kernels do, and TVM 0.27 then drops noalias for the whole
@@ -299,7 +302,7 @@ def test_matmul_accumulators_fit_on_the_stack() -> None:
     of a matmul may allocate a workspace."""
     import re
 
-    funcs = _scheduled_prim_funcs(_module(1536, 576, "float32", "residual"))
+    funcs = _scheduled_prim_funcs(_module(n, k, "float32", "residual"))
     (name,) = [n for n in funcs if "matmul" in n]
     target = cpu_target()
     lib = tvm.compile(tvm.IRModule({name: funcs[name].with_attr("global_symbol", name)}), target)

@@ -20,7 +20,15 @@ the same kernel serves decode, verification and prefill, in three kinds of varia
   vector. A symbolic M is padded to a multiple of MR with `pad_einsum` (a copy of A, ~1/N of
   the work): a predicate on M inside the tile defeats TVM's buffer compaction (the
   accumulators then spill to a buffer of M rows) and halves the speed. Chunks of N sized
-  for L2 times row tiles run in parallel. ~1.3x numpy/OpenBLAS sgemm at M=512.
+  for L2 times row tiles run in parallel. From K = `GEMM_LONG_K` on, tiles of 6 rows of 8
+  lanes (ymm; the same 768 B of accumulators, see `GEMM_MR`). At M=512 on one Zen 4 thread
+  (timed by thread CPU time, `schedule_micro.py --threads 1 --gemm-only`): 95-100 GFLOP/s on
+  every SmolLM2 and Qwen2.5-0.5B shape with K <= 896, as fast as numpy/OpenBLAS sgemm and
+  near the core's one-zmm-FMA-per-cycle peak. With 3 rows the down projections (K = 1536,
+  4864) reached only 86-90 and 55-73 (OpenBLAS 95-100): an A tile of 3 rows (18 KB, 58 KB)
+  no longer stays in L1 beside the streaming W rows; 6 rows per W load bring them to ~100
+  and ~83. In a 512-token SmolLM2 prefill the GEMMs are ~85% of the time (gate_up 40%, down
+  23%, qkv 13%, o 8%; attention 9%).
 
 With a symbolic M all variants are built and joined under `if M < GEMM_MIN_ROWS`; the GEMV
 and small-M variants share their chunking of N and run in one parallel loop whose body picks
@@ -45,10 +53,24 @@ from tvm.sym.analyzer import Analyzer
 
 # MR=3: the [MR, NR, lanes] fp32 accumulators (3*4*16*4 = 768 B) stay under TVM's 1 KiB
 # stack-allocation limit. Larger ones become heap workspaces, which LLVM must assume alias
-# the operands once any kernel in the module lacks `tirx.noalias` (the KV cache's kernels
-# do; TVM then drops noalias module-wide): every FMA would store its accumulator (3x
-# slower). 4x4 tiles were only ~3% faster even without that problem.
+# the operands once any kernel in the module lacks `tirx.noalias` (TVM then drops noalias
+# module-wide; in a q0f32 SmolLM2 build 10 of 44 PrimFuncs still lack it: the sliding-window
+# KV kernels, compact_kv_copy_cpu, copy_single_page_cpu, shape funcs): every FMA would store
+# its accumulator (3x slower). The limit is a constant of TVM (no PassContext option), and a
+# "local" scope does not lift it (such a buffer becomes a workspace too). 4x4, 6x4, 4x6, 8x3
+# and 5x5 tiles as workspaces (noalias intact in a one-kernel module) were 0.87-0.90x of 3x4
+# on SmolLM2's K=576 shapes, on one thread. But from K = GEMM_LONG_K an A tile of 3 rows no
+# longer stays in L1 and both operands stream from L2: there 6 rows x 4 columns of 8-lane
+# (ymm) accumulators, 768 B, (6 + 4 loads per 24 FMAs instead of 3 + 4 per 12; Zen 4 issues
+# two ymm FMAs per cycle, the flops of one zmm FMA) measured 1.15x at K=1536 (SmolLM2 down,
+# 88 -> 101 GFLOP/s) and 1.31x at K=4864 (Qwen2.5-0.5B down, 64 -> 83), one thread, OpenBLAS
+# 97-99; the same tile with 16 lanes (a workspace) 1.05x and 1.25x. K blocking (A tile in
+# L1, partial sums per K block via rfactor, merged before the horizontal sums) measured
+# 0.6-0.8x; a larger L2_BLOCK_BYTES (256 KiB - 1 MiB) was within +-2% (unstable at K=4864).
 GEMM_MR = 3
+GEMM_LONG_K = 1024  # from this K on, GEMM_MR_LONG_K rows per tile (see above)
+GEMM_MR_LONG_K = 6
+LONG_K_LANES = 8  # 6 x 4 x 8 lanes x 4 B = 768 B of accumulators (16 lanes: a workspace)
 GEMM_MIN_ROWS = 8  # the GEMM variant wins from ~7 rows (measured on 3072x576 weights)
 ROWS_VARIANTS = (2, 4, 7)  # MR of the small-M variants: each serves M up to its MR
 L2_BLOCK_BYTES = 128 * 1024  # W rows per parallel chunk of the GEMM stay within this (L2: 1 MiB)
@@ -182,7 +204,10 @@ def tile_config(
         # Largest chunk whose W rows fit the L2 budget, so the A rows streamed over it reuse W.
         max_tiles = max(L2_BLOCK_BYTES // (nr * info.k * info.w_bits // 8), 1)
         per_chunk = max(d for d in range(1, min(tiles, max_tiles) + 1) if tiles % d == 0)
-        return TileConfig(mr=GEMM_MR, nr=nr, lanes=lanes, nb=nr * per_chunk, kind=kind)
+        mr = GEMM_MR_LONG_K if info.k >= GEMM_LONG_K else GEMM_MR
+        if mr != GEMM_MR:
+            lanes = _largest_divisor(info.k, [c for c in (LONG_K_LANES, 4, 2) if c <= lanes])
+        return TileConfig(mr=mr, nr=nr, lanes=lanes, nb=nr * per_chunk, kind=kind)
     max_nr = max(min(MAX_ACC_BYTES // (mr * lanes * info.acc_bits // 8), 4), 1)
     if nb is not None:  # the chunking of another variant: NR must divide it
         return TileConfig(mr, _largest_divisor(nb, list(range(max_nr, 1, -1))), lanes, nb, kind)
