@@ -27,7 +27,7 @@ the same kernel serves decode, verification and prefill, in three kinds of varia
   near the core's one-zmm-FMA-per-cycle peak. With 3 rows the down projections (K = 1536,
   4864) reached only 86-90 and 55-73 (OpenBLAS 95-100): an A tile of 3 rows (18 KB, 58 KB)
   no longer stays in L1 beside the streaming W rows; 6 rows per W load bring them to ~100
-  and ~83. In a 512-token SmolLM2 prefill the GEMMs are ~85% of the time (gate_up 40%, down
+  and 83-96. In a 512-token SmolLM2 prefill the GEMMs are ~85% of the time (gate_up 40%, down
   23%, qkv 13%, o 8%; attention 9%).
 
 With a symbolic M all variants are built and joined under `if M < GEMM_MIN_ROWS`; the GEMV
@@ -63,8 +63,8 @@ from tvm.sym.analyzer import Analyzer
 # longer stays in L1 and both operands stream from L2: there 6 rows x 4 columns of 8-lane
 # (ymm) accumulators, 768 B, (6 + 4 loads per 24 FMAs instead of 3 + 4 per 12; Zen 4 issues
 # two ymm FMAs per cycle, the flops of one zmm FMA) measured 1.15x at K=1536 (SmolLM2 down,
-# 88 -> 101 GFLOP/s) and 1.31x at K=4864 (Qwen2.5-0.5B down, 64 -> 83), one thread, OpenBLAS
-# 97-99; the same tile with 16 lanes (a workspace) 1.05x and 1.25x. K blocking (A tile in
+# 88 -> 101 GFLOP/s) and 1.31x at K=4864 (Qwen2.5-0.5B down, 64-73 -> 83-96), one thread,
+# OpenBLAS 97-99; 16 lanes (a workspace) 1.05x and 1.25x. K blocking (A tile in
 # L1, partial sums per K block via rfactor, merged before the horizontal sums) measured
 # 0.6-0.8x; a larger L2_BLOCK_BYTES (256 KiB - 1 MiB) was within +-2% (unstable at K=4864).
 GEMM_MR = 3
