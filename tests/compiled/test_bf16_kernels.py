@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
+from kernel_blocks import PACKED, export_block  # noqa: E402
 from tvm import relax, tirx  # noqa: E402
 from tvm.relax.frontend import nn  # noqa: E402
 
 from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
 from mlcrun.compiler.target import bf16_dot_bits, cpu_target  # noqa: E402
 from mlcrun.quant import get_preset, numpy_ref  # noqa: E402
-from mlcrun.quant.modules import bf16_activations, quantize_model  # noqa: E402
+from mlcrun.quant.modules import bf16_activations  # noqa: E402
 from mlcrun.quant.transform import dequantize_params, weight_transform  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -29,45 +30,12 @@ pytestmark = pytest.mark.skipif(
 RNG = np.random.default_rng(0)
 ROWS = (1, 3, 8, 17, 64)
 SHAPES = [(37, 96), (5, 32), (48, 288), (200, 64)]  # (N, K)
-PACKED = {"param_mode": "packed", "effect_mode": "none"}
 TOL = 2e-6  # of the largest |output|
 
 
-class _Block(nn.Module):
-    """y = r + proj(x) (bias and residual fused after the matmul), and a table [vocab, k]
-    serving as a tied lm_head and for lookups."""
-
-    def __init__(self, n: int, k: int, vocab: int) -> None:
-        self.proj = nn.Linear(k, n, bias=True)
-        self.embed = nn.Embedding(vocab, k)
-
-    def forward(self, x: nn.Tensor, r: nn.Tensor) -> nn.Tensor:
-        return r + self.proj(x)
-
-    def head(self, h: nn.Tensor) -> nn.Tensor:
-        return self.embed.lm_head_forward(h)
-
-    def lookup(self, ids: nn.Tensor) -> nn.Tensor:
-        return self.embed.lookup(ids)
-
-
-def _spec(n: int, k: int) -> dict:
-    return {
-        "forward": {
-            "x": nn.spec.Tensor([1, "m", k], "float32"),
-            "r": nn.spec.Tensor([1, "m", n], "float32"),
-            "$": PACKED,
-        },
-        "head": {"h": nn.spec.Tensor(["m", k], "float32"), "$": PACKED},
-        "lookup": {"ids": nn.spec.Tensor(["m"], "int32"), "$": PACKED},
-    }
-
-
 def _compile(n: int, k: int, vocab: int):
-    model = quantize_model(_Block(n, k, vocab), get_preset("q0bf16"), "bf16")
+    _, mod, named = export_block("q0bf16", n, k, vocab, "bf16")
     target = cpu_target()
-    with target:
-        mod, named = model.export_tvm(_spec(n, k))
     ex = tvm.compile(mod, target, relax_pipeline=get_pipeline(target))
     return relax.VirtualMachine(ex, tvm.cpu()), named
 
@@ -132,10 +100,9 @@ def test_round_kernel_is_bit_exact(rows):
 
 
 def test_matmul_and_epilogue_are_one_vdpbf16ps_kernel():
-    model = quantize_model(_Block(37, 96, 40), get_preset("q0bf16"), "bf16")
+    _, mod, _ = export_block("q0bf16", 37, 96, 40, "bf16", functions=("forward",))
     target = cpu_target()
     with target:
-        mod, _ = model.export_tvm({"forward": _spec(37, 96)["forward"]})
         mod = tvm.transform.Sequential(scheduled_tir_passes(target))(mod)
     funcs = {g.name_hint: f for g, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
     matmuls = [name for name in funcs if "bf16_matmul" in name]

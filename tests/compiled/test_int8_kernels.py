@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
+from kernel_blocks import PACKED, export_block  # noqa: E402
 from tvm import relax, tirx  # noqa: E402
 from tvm.relax.frontend import nn  # noqa: E402
 
@@ -21,7 +22,7 @@ from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa:
 from mlcrun.compiler.schedules import cpu as cpu_rules  # noqa: E402
 from mlcrun.compiler.target import cpu_target, int8_dot_bits  # noqa: E402
 from mlcrun.quant import get_preset, numpy_ref  # noqa: E402
-from mlcrun.quant.modules import quantize_activations, quantize_model  # noqa: E402
+from mlcrun.quant.modules import quantize_activations  # noqa: E402
 from mlcrun.quant.transform import dequantize_params, weight_transform  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -30,42 +31,12 @@ pytestmark = pytest.mark.skipif(
 RNG = np.random.default_rng(0)
 ROWS = (*range(1, 10), 17, 64)
 SHAPES = [(37, 96), (5, 32), (48, 288)]  # (N, K)
-PACKED = {"param_mode": "packed", "effect_mode": "none"}
 TOL = 3e-6  # of the largest |output|
 
 
-class _Block(nn.Module):
-    """y = r + proj(x) (bias and residual fused after the matmul), and a table [vocab, k]
-    serving as a tied lm_head and for lookups."""
-
-    def __init__(self, n: int, k: int, vocab: int) -> None:
-        self.proj = nn.Linear(k, n, bias=True)
-        self.embed = nn.Embedding(vocab, k)
-
-    def forward(self, x: nn.Tensor, r: nn.Tensor) -> nn.Tensor:
-        return r + self.proj(x)
-
-    def head(self, h: nn.Tensor) -> nn.Tensor:
-        return self.embed.lm_head_forward(h)
-
-    def lookup(self, ids: nn.Tensor) -> nn.Tensor:
-        return self.embed.lookup(ids)
-
-
 def _compile(preset: str, n: int, k: int, vocab: int):
-    model = quantize_model(_Block(n, k, vocab), get_preset(preset), "int8")
-    spec = {
-        "forward": {
-            "x": nn.spec.Tensor([1, "m", k], "float32"),
-            "r": nn.spec.Tensor([1, "m", n], "float32"),
-            "$": PACKED,
-        },
-        "head": {"h": nn.spec.Tensor(["m", k], "float32"), "$": PACKED},
-        "lookup": {"ids": nn.spec.Tensor(["m"], "int32"), "$": PACKED},
-    }
+    _, mod, named = export_block(preset, n, k, vocab, "int8")
     target = cpu_target()
-    with target:
-        mod, named = model.export_tvm(spec)
     ex = tvm.compile(mod, target, relax_pipeline=get_pipeline(target))
     return relax.VirtualMachine(ex, tvm.cpu()), named
 
@@ -171,17 +142,9 @@ def test_quantize_kernel_is_bit_exact(kind, rows):
 
 
 def test_matmul_and_epilogue_are_one_vnni_kernel():
-    model = quantize_model(_Block(37, 96, 40), get_preset("q4f16_1+q8f32"), "int8")
-    spec = {
-        "forward": {
-            "x": nn.spec.Tensor([1, "m", 96], "float32"),
-            "r": nn.spec.Tensor([1, "m", 37], "float32"),
-            "$": PACKED,
-        }
-    }
+    _, mod, _ = export_block("q4f16_1+q8f32", 37, 96, 40, "int8", functions=("forward",))
     target = cpu_target()
     with target:
-        mod, _ = model.export_tvm(spec)
         mod = tvm.transform.Sequential(scheduled_tir_passes(target))(mod)
     funcs = {g.name_hint: f for g, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
     matmuls = [name for name in funcs if "int8_matmul" in name]

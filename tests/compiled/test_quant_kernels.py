@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
+from kernel_blocks import export_block  # noqa: E402
 from tvm import relax, tirx  # noqa: E402
-from tvm.relax.frontend import nn  # noqa: E402
 
 from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
 from mlcrun.compiler.schedules.matmul import GEMM_MIN_ROWS  # noqa: E402
 from mlcrun.compiler.target import cpu_target  # noqa: E402
 from mlcrun.quant import get_preset  # noqa: E402
-from mlcrun.quant.modules import QuantEmbedding, quantize_model  # noqa: E402
+from mlcrun.quant.modules import QuantEmbedding  # noqa: E402
 from mlcrun.quant.transform import dequantize_params, weight_transform  # noqa: E402
 
 RNG = np.random.default_rng(0)
@@ -31,39 +31,10 @@ PRESETS = ("q0f16", "q8f32", "q4f32_1", "q4f16_1")
 ROWS = (1, 2, 3, 4, 5, 7, 8, 17, 64)
 
 
-class _Block(nn.Module):
-    """y = r + proj(x) (bias, residual epilogue), and an embedding [vocab, k] that also
-    serves as a tied lm_head."""
-
-    def __init__(self, n: int, k: int, vocab: int) -> None:
-        self.proj = nn.Linear(k, n, bias=True)
-        self.embed = nn.Embedding(vocab, k)
-
-    def forward(self, x: nn.Tensor, r: nn.Tensor) -> nn.Tensor:
-        return r + self.proj(x)
-
-    def head(self, h: nn.Tensor) -> nn.Tensor:
-        return self.embed.lm_head_forward(h)
-
-    def lookup(self, ids: nn.Tensor) -> nn.Tensor:
-        return self.embed.lookup(ids)
-
-
 def _export(preset: str, n: int, k: int, vocab: int = 40):
-    model = quantize_model(_Block(n, k, vocab), get_preset(preset))
+    model, mod, named = export_block(preset, n, k, vocab)
     assert isinstance(model.embed, QuantEmbedding)
-    packed = {"param_mode": "packed", "effect_mode": "none"}
-    spec = {
-        "forward": {
-            "x": nn.spec.Tensor([1, "m", k], "float32"),
-            "r": nn.spec.Tensor([1, "m", n], "float32"),
-            "$": packed,
-        },
-        "head": {"h": nn.spec.Tensor(["m", k], "float32"), "$": packed},
-        "lookup": {"ids": nn.spec.Tensor(["m"], "int32"), "$": packed},
-    }
-    with cpu_target():
-        return model.export_tvm(spec)
+    return mod, named
 
 
 def _params(preset: str, named, floats: dict[str, np.ndarray]):

@@ -1,0 +1,52 @@
+"""The one-layer module the matmul kernel tests compile (test_quant_kernels, test_int8_kernels,
+test_bf16_kernels): y = r + proj(x) with bias and residual fused after the matmul, and a table
+[vocab, k] serving as a tied lm_head and for lookups, exported with a symbolic row count."""
+
+from __future__ import annotations
+
+from tvm.relax.frontend import nn
+
+from mlcrun.compiler.target import cpu_target
+from mlcrun.quant import get_preset
+from mlcrun.quant.modules import quantize_model
+
+PACKED = {"param_mode": "packed", "effect_mode": "none"}
+
+
+class Block(nn.Module):
+    def __init__(self, n: int, k: int, vocab: int) -> None:
+        self.proj = nn.Linear(k, n, bias=True)
+        self.embed = nn.Embedding(vocab, k)
+
+    def forward(self, x: nn.Tensor, r: nn.Tensor) -> nn.Tensor:
+        return r + self.proj(x)
+
+    def head(self, h: nn.Tensor) -> nn.Tensor:
+        return self.embed.lm_head_forward(h)
+
+    def lookup(self, ids: nn.Tensor) -> nn.Tensor:
+        return self.embed.lookup(ids)
+
+
+def export_block(
+    preset: str,
+    n: int,
+    k: int,
+    vocab: int,
+    activations: str = "exact",
+    functions: tuple[str, ...] = ("forward", "head", "lookup"),
+):
+    """(the quantized module, its IRModule, its named params) for the CPU target."""
+    model = quantize_model(Block(n, k, vocab), get_preset(preset), activations)
+    spec = {
+        "forward": {
+            "x": nn.spec.Tensor([1, "m", k], "float32"),
+            "r": nn.spec.Tensor([1, "m", n], "float32"),
+            "$": PACKED,
+        },
+        "head": {"h": nn.spec.Tensor(["m", k], "float32"), "$": PACKED},
+        "lookup": {"ids": nn.spec.Tensor(["m"], "int32"), "$": PACKED},
+    }
+    with cpu_target():
+        mod, named = model.export_tvm({name: spec[name] for name in functions})
+    return model, mod, named
