@@ -273,9 +273,10 @@ def _gap_ngram(spec: dict, cases: list[dict]) -> str:
     )
     return (
         f"End to end ({costs}), a verify step costs more than its extra tokens save: at q4 the "
-        "int8 kernels (issue 13) make a plain step fast, so the verify's kernels, the draft "
-        "and acceptance bookkeeping in Python weigh more, and the adaptive length backs off. "
-        "Cheap multi-token int8 steps are the remaining kernel work."
+        "int8 kernels make a plain step fast, so the verify's kernels (see the cost of a "
+        "K-token step above), the draft and the acceptance bookkeeping in Python weigh more, "
+        "and the adaptive length backs off; at the acceptance these prompts give, a verify "
+        "would have to cost about what a plain step does."
     )
 
 
@@ -287,15 +288,13 @@ def _gap_tput(spec: dict, cases: list[dict]) -> str:
         for c in cases
     }
     listed = ", ".join(f"{k} {v}" for k, v in drafted.items() if v is not None)
+    rounds = spec.get("rounds")
     return (
         "At 16 concurrent requests the adaptive length hardly drafts (drafted tokens: "
-        f"{listed}), so the gap is not verifying. With a draft model the likely cause (not "
-        "yet timed on its own) is the tail: when the "
-        "last requests run alone drafting pays again, and a draft cache that skipped the "
-        "prompts at batch 16 first catches up on the whole sequence (one prefill of prompt "
-        "and output) for a few tokens left. The engine now skips drafting when the catch-up "
-        "exceeds the tokens a request has left (landed after this run, so not yet measured "
-        "here); with ngram the ratio is within one round's spread."
+        f"{listed}), so the gap is not verification. What is left is the work a speculative "
+        "engine does per step even when it decides not to draft (trial probes, the adaptive "
+        "bookkeeping, a draft model's lockstep prefill) and run-to-run noise: with "
+        f"{rounds} round(s) this run has no spread to tell the two apart."
     )
 
 
