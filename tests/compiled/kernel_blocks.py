@@ -4,8 +4,11 @@ test_bf16_kernels): y = r + proj(x) with bias and residual fused after the matmu
 
 from __future__ import annotations
 
+import tvm
+from tvm import tirx
 from tvm.relax.frontend import nn
 
+from mlcrun.compiler.pipeline import scheduled_tir_passes
 from mlcrun.compiler.target import cpu_target
 from mlcrun.quant import get_preset
 from mlcrun.quant.modules import quantize_model
@@ -50,3 +53,12 @@ def export_block(
     with cpu_target():
         mod, named = model.export_tvm({name: spec[name] for name in functions})
     return model, mod, named
+
+
+def scheduled_forward(preset: str, activations: str) -> dict[str, tirx.PrimFunc]:
+    """The PrimFuncs of a 37 x 96 block's forward after the CPU schedule rules, by name."""
+    _, mod, _ = export_block(preset, 37, 96, 40, activations, functions=("forward",))
+    target = cpu_target()
+    with target:
+        mod = tvm.transform.Sequential(scheduled_tir_passes(target))(mod)
+    return {g.name_hint: f for g, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}

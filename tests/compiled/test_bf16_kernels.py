@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
-from kernel_blocks import PACKED, export_block  # noqa: E402
-from tvm import relax, tirx  # noqa: E402
+from kernel_blocks import PACKED, export_block, scheduled_forward  # noqa: E402
+from tvm import relax  # noqa: E402
 from tvm.relax.frontend import nn  # noqa: E402
 
-from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
+from mlcrun.compiler.pipeline import get_pipeline  # noqa: E402
 from mlcrun.compiler.target import bf16_dot_bits, cpu_target  # noqa: E402
 from mlcrun.quant import get_preset, numpy_ref  # noqa: E402
 from mlcrun.quant.modules import bf16_activations  # noqa: E402
@@ -100,11 +100,7 @@ def test_round_kernel_is_bit_exact(rows):
 
 
 def test_matmul_and_epilogue_are_one_vdpbf16ps_kernel():
-    _, mod, _ = export_block("q0bf16", 37, 96, 40, "bf16", functions=("forward",))
-    target = cpu_target()
-    with target:
-        mod = tvm.transform.Sequential(scheduled_tir_passes(target))(mod)
-    funcs = {g.name_hint: f for g, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+    funcs = scheduled_forward("q0bf16", "bf16")
     matmuls = [name for name in funcs if "bf16_matmul" in name]
     assert matmuls == ["fused_bf16_matmul_add_add1"], sorted(funcs)  # bias + residual fused
     script = funcs[matmuls[0]].script()
