@@ -526,9 +526,7 @@ def targets_section(doc: dict) -> list[str]:
     lines = []
     for name, model in doc["models"].items():
         for r in model["results"]:
-            step = ((r.get("kstep") or {}).get("verify") or {}).get(str(k)) or (
-                (r.get("kstep") or {}).get("verify") or {}
-            ).get(k)
+            step = ((r.get("kstep") or {}).get("verify") or {}).get(str(k))  # JSON keys
             if r["engine"] != "mlcrun" or not step:
                 continue
             ok = step["median"] <= goal

@@ -4,6 +4,7 @@ test_bf16_kernels): y = r + proj(x) with bias and residual fused after the matmu
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import tirx
 from tvm.relax.frontend import nn
@@ -12,6 +13,7 @@ from mlcrun.compiler.pipeline import scheduled_tir_passes
 from mlcrun.compiler.target import cpu_target
 from mlcrun.quant import get_preset
 from mlcrun.quant.modules import quantize_model
+from mlcrun.quant.transform import weight_transform
 
 PACKED = {"param_mode": "packed", "effect_mode": "none"}
 
@@ -62,3 +64,18 @@ def scheduled_forward(preset: str, activations: str) -> dict[str, tirx.PrimFunc]
     with target:
         mod = tvm.transform.Sequential(scheduled_tir_passes(target))(mod)
     return {g.name_hint: f for g, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+def block_params(preset: str, activations: str, named, n: int, k: int, vocab: int, rng):
+    """Random float weights of a Block, their stored params by name (for `preset` and
+    `activations`), and those params in the compiled module's `named` order."""
+    p = get_preset(preset)
+    floats = {
+        "proj.weight": rng.standard_normal((n, k)).astype("float32"),
+        "proj.bias": rng.standard_normal(n).astype("float32"),
+        "embed.weight": rng.standard_normal((vocab, k)).astype("float32"),
+    }
+    arrays: dict[str, np.ndarray] = {}
+    for name, w in floats.items():
+        arrays.update(weight_transform(p, name, w, activations))
+    return floats, arrays, [tvm.runtime.tensor(arrays[name]) for name, _ in named]

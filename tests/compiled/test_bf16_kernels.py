@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
-from kernel_blocks import PACKED, export_block, scheduled_forward  # noqa: E402
+from kernel_blocks import PACKED, block_params, export_block, scheduled_forward  # noqa: E402
 from tvm import relax  # noqa: E402
 from tvm.relax.frontend import nn  # noqa: E402
 
@@ -22,7 +22,7 @@ from mlcrun.compiler.pipeline import get_pipeline  # noqa: E402
 from mlcrun.compiler.target import bf16_dot_bits, cpu_target  # noqa: E402
 from mlcrun.quant import get_preset, numpy_ref  # noqa: E402
 from mlcrun.quant.modules import bf16_activations  # noqa: E402
-from mlcrun.quant.transform import dequantize_params, weight_transform  # noqa: E402
+from mlcrun.quant.transform import dequantize_params  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not bf16_dot_bits(cpu_target()), reason="this CPU has no AVX512-BF16"
@@ -45,15 +45,7 @@ def test_bf16_kernels_match_the_numpy_bf16_model(n, k):
     vocab = n + 3  # the tied head has its own odd N
     vm, named = _compile(n, k, vocab)
     p = get_preset("q0bf16")
-    floats = {
-        "proj.weight": RNG.standard_normal((n, k)).astype("float32"),
-        "proj.bias": RNG.standard_normal(n).astype("float32"),
-        "embed.weight": RNG.standard_normal((vocab, k)).astype("float32"),
-    }
-    arrays = {}
-    for name, w in floats.items():
-        arrays.update(weight_transform(p, name, w, "bf16"))
-    args = [tvm.runtime.tensor(arrays[name]) for name, _ in named]
+    floats, arrays, args = block_params("q0bf16", "bf16", named, n, k, vocab, RNG)
     w_bits = numpy_ref.to_bf16(floats["proj.weight"])
     table_bits = numpy_ref.to_bf16(floats["embed.weight"])
     for rows in ROWS:

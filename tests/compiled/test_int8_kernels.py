@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
-from kernel_blocks import PACKED, export_block, scheduled_forward  # noqa: E402
+from kernel_blocks import PACKED, block_params, export_block, scheduled_forward  # noqa: E402
 from tvm import relax  # noqa: E402
 from tvm.relax.frontend import nn  # noqa: E402
 
@@ -49,15 +49,7 @@ def _row_major(p, name: str, w: np.ndarray) -> tuple:
 
 def _run(vm, named, preset, n, k, vocab):
     p = get_preset(preset)
-    floats = {
-        "proj.weight": RNG.standard_normal((n, k)).astype("float32"),
-        "proj.bias": RNG.standard_normal(n).astype("float32"),
-        "embed.weight": RNG.standard_normal((vocab, k)).astype("float32"),
-    }
-    arrays = {}
-    for name, w in floats.items():
-        arrays.update(weight_transform(p, name, w, "int8"))
-    args = [tvm.runtime.tensor(arrays[name]) for name, _ in named]
+    floats, arrays, args = block_params(preset, "int8", named, n, k, vocab, RNG)
     for rows in ROWS:
         x = RNG.standard_normal((1, rows, k)).astype("float32")
         x[0, 0, :32] = 0.0  # a zero group
