@@ -9,47 +9,18 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 
 import tvm
 from tvm.target import Target
 
+from ..cpu_features import X86_FEATURES, host_flags
+
 LOG = logging.getLogger(__name__)
 
-# LLVM feature name -> /proc/cpuinfo flag for the SIMD sets our kernels can use. Each is
-# enabled iff the flag is present and disabled otherwise, so the CPU model name (kept for
-# LLVM's instruction scheduling) cannot switch on a vector ISA the VM hides.
-_X86_FEATURES = {
-    "sse4.2": "sse4_2",
-    "avx": "avx",
-    "avx2": "avx2",
-    "fma": "fma",
-    "f16c": "f16c",
-    "bmi2": "bmi2",
-    "avx512f": "avx512f",
-    "avx512bw": "avx512bw",
-    "avx512cd": "avx512cd",
-    "avx512dq": "avx512dq",
-    "avx512vl": "avx512vl",
-    "avx512vnni": "avx512_vnni",
-    "avx512bf16": "avx512_bf16",
-    "avx512fp16": "avx512_fp16",
-    "avx512vbmi": "avx512vbmi",
-    "avxvnni": "avx_vnni",
-}
-# Never emitted, whatever the CPU claims (see module docstring).
+# Each feature of X86_FEATURES is enabled iff its flag is present and disabled otherwise, so
+# the CPU model name (kept for LLVM's instruction scheduling) cannot switch on a vector ISA the
+# VM hides. Never emitted, whatever the CPU claims (see module docstring).
 _ALWAYS_OFF = ("amx-tile", "amx-int8", "amx-bf16", "amx-fp16", "amx-complex")
-
-
-def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def _mcpu(flags: set[str]) -> str:
@@ -68,11 +39,11 @@ def _mcpu(flags: set[str]) -> str:
 @functools.cache
 def cpu_target() -> Target:
     """The llvm target for this machine with explicit SIMD features and AMX disabled."""
-    flags = _cpu_flags()
+    flags = host_flags()
     if not flags:  # not Linux/x86: trust LLVM's own detection
         LOG.warning("no /proc/cpuinfo flags; using Target.from_device(cpu)")
         return Target.from_device(tvm.cpu())
-    mattr = [("+" if flag in flags else "-") + feat for feat, flag in _X86_FEATURES.items()]
+    mattr = [("+" if flag in flags else "-") + feat for feat, flag in X86_FEATURES.items()]
     mattr += ["-" + feat for feat in _ALWAYS_OFF]
     if "avx512f" in flags:
         # Our kernels are written for 512-bit vectors; some CPU models prefer 256-bit ones.

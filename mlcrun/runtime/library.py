@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import abi, artifact, env
+from .. import abi, artifact, cpu_features, env
 from ..errors import MlcrunError
 from . import ffi
 
@@ -23,6 +23,7 @@ def device_for(art: artifact.Artifact) -> ffi.Device:
         if dev is None:
             raise MlcrunError("this artifact was compiled for cuda, but no CUDA GPU is available")
         return dev
+    cpu_features.check_host(art.target, "this artifact")
     return ffi.cpu()
 
 

@@ -135,3 +135,17 @@ def test_profile_runs_more_steps_than_the_slack_and_names_other(model):
     assert "other" in names and "VM builtins" in names
     assert profile["step_ms"] > 0 and all(k["ms"] >= 0 for k in profile["kernels"])
     assert all(0 <= k["share"] for k in profile["kernels"])
+
+
+def test_an_artifact_for_missing_cpu_features_is_refused(artifacts, tmp_path, monkeypatch):
+    """The target of every artifact compiled here switches on at least SSE4.2: a host whose
+    /proc/cpuinfo lacks it gets a one-line refusal before the library is loaded."""
+    from mlcrun import cpu_features
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu tsc\n")
+    monkeypatch.setattr(cpu_features, "CPUINFO", info)
+    with pytest.raises(
+        MlcrunError, match=r"compiled for a CPU with .*sse4_2.*which this CPU lacks"
+    ):
+        Model(artifacts("llama"))

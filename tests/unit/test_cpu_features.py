@@ -1,0 +1,46 @@
+"""An artifact compiled for SIMD features this CPU lacks is refused with a message."""
+
+import json
+
+import pytest
+
+from mlcrun import cpu_features
+from mlcrun.errors import MlcrunError
+
+TARGET = json.dumps(
+    {
+        "kind": "llvm",
+        "mcpu": "znver4",
+        "mattr": ["+avx2", "+fma", "+avx512f", "+avx512vnni", "-avx512bf16", "-amx-tile"],
+    }
+)
+
+
+def _cpuinfo(tmp_path, flags: str):
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: {flags}\n\n")
+    return path
+
+
+def test_required_flags_are_the_features_switched_on():
+    assert cpu_features.required_flags(TARGET) == {"avx2", "fma", "avx512f", "avx512_vnni"}
+    assert cpu_features.required_flags(json.dumps({"kind": "cuda"})) == set()
+
+
+def test_a_cpu_with_every_flag_loads(tmp_path):
+    info = _cpuinfo(tmp_path, "fpu sse4_2 avx avx2 fma avx512f avx512_vnni")
+    cpu_features.check_host(TARGET, "model", info)
+
+
+def test_a_missing_feature_is_named(tmp_path):
+    info = _cpuinfo(tmp_path, "fpu sse4_2 avx avx2 fma")
+    with pytest.raises(MlcrunError) as err:
+        cpu_features.check_host(TARGET, "model", info)
+    assert str(err.value) == (
+        "model: compiled for a CPU with avx512_vnni, avx512f, which this CPU lacks; "
+        "compile the model again on this machine"
+    )
+
+
+def test_without_cpuinfo_nothing_is_refused(tmp_path):
+    cpu_features.check_host(TARGET, "model", tmp_path / "absent")
