@@ -5,12 +5,28 @@ softmax with a running max, the log2-sum-exp written beside each output row, -5e
 row for a row that sees no key), computed in float32 whatever the cache's dtype: K, V and q are
 loaded as stored (float32 or float16) and widened. Two shapes of work:
 
-* Decode (`decode_attention`): one query token per sequence. A task is one (sequence, KV head)
-  pair and takes all the query heads of that KV head (GQA group), so each K/V row is loaded
-  once for the group. The head dimension runs in vector lanes (16 floats), keys one page (16
-  rows) at a time: per key a 16-lane multiply-add per 16 dimensions, a horizontal sum, then the
-  V rows of the page weighted into register accumulators. The page size is a compile-time 16
-  (TVM's CPU kernels only work with 16), so a key's page and slot are a shift and a mask.
+* Decode (`decode_attention`): one query token per sequence. At depth it is bound by memory:
+  between two visits of a layer the weights stream through the caches, so its K/V come from
+  DRAM (SmolLM2 at depth 512: 786 KB a layer). A page is stored as [K/V, KV head, 16 slots,
+  head_dim], so one (sequence, KV head) pair reads 4 KB blocks at a stride of the whole page
+  (24 KB with 3 KV heads): this VM reads that at a quarter of the contiguous rate (numpy sums:
+  6 against 22 GB/s). A task is therefore a run of consecutive pages of one sequence for
+  *every* KV head: each page is read front to back (the K blocks of all heads, then the V
+  blocks). Per page and query head: per key a 16-lane partial product over the head dimension,
+  then the 16 keys' vectors summed lane-wise by a 4-stage shuffle tree into one vector of 16
+  scores (lane j = key j: 15 adds and 30 shuffles instead of 16 horizontal sums), the softmax
+  on that vector (the page's max by a rotation tree, the running sum kept as a vector), then
+  the page's V rows loaded once for the group into register accumulators. Slots past a
+  sequence's end are masked by lane; the V loop stops before them (an unused slot may hold
+  NaN). The page size is a compile-time 16 (TVM's CPU kernels only work with 16).
+  Split (flash-decoding): a batch of fewer than SPLIT_TASKS sequences cuts each sequence into
+  chunks of max(MIN_SPLIT_PAGES, ceil(batch pages / SPLIT_TASKS)) pages, so that one long
+  sequence keeps every thread busy (one task per (sequence, KV head) gave 2 threads 2 and 1 of
+  SmolLM2's 3 KV heads). A chunk of a split sequence writes its unnormalized output, running
+  max and sum to a workspace (fewer than 2 * SPLIT_TASKS chunks: a fixed size), merged after
+  the parallel loop on the calling thread, relative to the largest max (a second parallel
+  loop would add a fork and join to every layer). Larger batches, and sequences of one chunk,
+  write their rows directly. Software prefetch of the next page was tried and did not help.
 * Row tiles (prefill over the chunk itself or over cached pages, and both tree kernels): a
   task is a tile of 16 query rows that read the same keys (consecutive (token, head) rows of
   one sequence and one KV head: with GQA a tile spans a few tokens times the group's heads),
@@ -73,61 +89,116 @@ def supported(head_dim: int) -> bool:
     return head_dim % LANES == 0
 
 
+# ------------------------------------------------------------------------------- shuffles
+
+
+def _shuffle_indices(step: int) -> tuple[list[int], list[int]]:
+    """One stage of a 16 x 16 transpose by shuffles: rows i and i + step (i & step == 0)
+    exchange their off-diagonal blocks of `step` lanes. Indices into concat(row i, row i+step)."""
+    first = [16 + j - step if j & step else j for j in range(16)]
+    second = [16 + j if j & step else j + step for j in range(16)]
+    return first, second
+
+
+_STAGES = {step: _shuffle_indices(step) for step in (8, 4, 2, 1)}
+
+
 # ----------------------------------------------------------------------------------- decode
+
+SPLIT_TASKS = 16  # decode splits sequences into page chunks when the batch has fewer sequences
+MIN_SPLIT_PAGES = 4  # pages per split chunk: at least 4 (64 keys)
+
+
+@T.macro
+def _reduce_stage(dst, src, step, first, second):
+    """dst row i = the two-vector shuffles of src rows i and i + step, added (i < step): one
+    stage of summing 16 vectors' lanes into one vector (lane j: the sum of vector j)."""
+    for i in T.unroll(step):
+        dst[i, T.ramp(0, 1, LANES)] = T.Shuffle(
+            [src[i, T.ramp(0, 1, LANES)], src[i + step, T.ramp(0, 1, LANES)]], first
+        ) + T.Shuffle([src[i, T.ramp(0, 1, LANES)], src[i + step, T.ramp(0, 1, LANES)]], second)
+
+
+@T.macro
+def _max_stage(hx, rotation):
+    """hx row 0 = its lane-wise max with itself rotated (four stages: every lane the max)."""
+    hx[0, T.ramp(0, 1, LANES)] = T.max(
+        hx[0, T.ramp(0, 1, LANES)],
+        T.Shuffle([hx[0, T.ramp(0, 1, LANES)], hx[0, T.ramp(0, 1, LANES)]], rotation),
+    )
 
 
 def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
     """One query token per sequence over its paged K/V (no sliding window; RoPE already
-    applied, so rotary_mode must be 0). A task is a (sequence, KV head) pair with all the query
-    heads of its group."""
+    applied, so rotary_mode must be 0). A task is a run of consecutive pages of one sequence
+    for every head (a whole sequence unless the batch is small: then split, and merged)."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     G = H_qo // H_kv
-    NV = D // LANES
+    # Split bounds: B < SPLIT_TASKS and chunk_pages >= pages / SPLIT_TASKS, so fewer than
+    # B + SPLIT_TASKS < 2 * SPLIT_TASKS chunks.
+    MAX_CHUNKS = 2 * SPLIT_TASKS
+    first, second = {}, {}
+    for step in (8, 4, 2, 1):
+        first[step], second[step] = _STAGES[step]
+    rotate = {step: [(j + step) % LANES for j in range(LANES)] for step in (8, 4, 2, 1)}
 
     @T.macro
-    def page_block(qv, acc, s, part, m, mn, den, pages, page, hk, cnt):
-        """The first `cnt` keys of page `page` for every head of the group."""
+    def scores(qv, acc, sc, ra, rb, hx, p, m, den, pages, page, hk, cnt):
+        """Scores and softmax update of the first `cnt` keys of `page` for the group of KV
+        head hk: per key a 16-lane partial product over the dimensions, the 16 vectors summed
+        lane-wise by a shuffle tree (lane j: key j), the page's max by a rotation tree."""
         for g in T.unroll(G):
-            mn[g] = m[g]
-        for cc in T.serial(cnt):
-            for g in T.unroll(G):
+            for cc in T.unroll(KEYS):
                 for j in T.vectorized(LANES):
-                    part[g * LANES + j] = T.float32(0)
-            for d0 in T.unroll(NV):
+                    sc[cc, j] = qv[(hk * G + g) * D + j] * pages[page, 0, hk, cc, j].astype(
+                        "float32"
+                    )
+                for d0 in T.unroll(D // LANES - 1):
+                    for j in T.vectorized(LANES):
+                        sc[cc, j] = sc[cc, j] + qv[(hk * G + g) * D + (d0 + 1) * LANES + j] * pages[
+                            page, 0, hk, cc, (d0 + 1) * LANES + j
+                        ].astype("float32")
+            _reduce_stage(ra, sc, 8, first[8], second[8])
+            _reduce_stage(rb, ra, 4, first[4], second[4])
+            _reduce_stage(ra, rb, 2, first[2], second[2])
+            _reduce_stage(hx, ra, 1, first[1], second[1])
+            # Slots past `cnt` (stale, or NaN) are masked.
+            for j in T.vectorized(LANES):
+                p[hk * G + g, j] = T.Select(j < cnt, hx[0, j], T.float32(MASKED))
+                hx[0, j] = p[hk * G + g, j]
+            _max_stage(hx, rotate[8])
+            _max_stage(hx, rotate[4])
+            _max_stage(hx, rotate[2])
+            _max_stage(hx, rotate[1])
+            hx[1, 0] = T.max(m[hk * G + g], hx[0, 0])  # the new running max
+            hx[1, 1] = exp2_nonpositive(m[hk * G + g] - hx[1, 0])  # rescales earlier pages
+            m[hk * G + g] = hx[1, 0]
+            for j in T.vectorized(LANES):
+                p[hk * G + g, j] = T.Select(
+                    j < cnt, exp2_nonpositive(p[hk * G + g, j] - hx[1, 0]), T.float32(0)
+                )
+                den[hk * G + g, j] = den[hk * G + g, j] * hx[1, 1] + p[hk * G + g, j]
+            for d in T.vectorized(D):
+                acc[(hk * G + g) * D + d] = acc[(hk * G + g) * D + d] * hx[1, 1]
+
+    @T.macro
+    def values(acc, p, pages, page, hk, cnt):
+        """acc += p V over the page's first `cnt` keys, each V row loaded once for the group
+        (a partial page stops at `cnt`: its unused slots may hold NaN, and 0 * NaN is NaN)."""
+        if cnt == KEYS:
+            for cc in T.unroll(KEYS):
                 for g in T.unroll(G):
-                    for j in T.vectorized(LANES):
-                        part[g * LANES + j] = part[g * LANES + j] + qv[
-                            g * D + d0 * LANES + j
-                        ] * pages[page, 0, hk, cc, d0 * LANES + j].astype("float32")
-            for g in T.unroll(G):
-                # Horizontal sum as a tree (a serial sum is a chain of 16 dependent adds).
-                for j in T.vectorized(8):
-                    part[g * LANES + j] = part[g * LANES + j] + part[g * LANES + j + 8]
-                for j in T.vectorized(4):
-                    part[g * LANES + j] = part[g * LANES + j] + part[g * LANES + j + 4]
-                for j in T.vectorized(2):
-                    part[g * LANES + j] = part[g * LANES + j] + part[g * LANES + j + 2]
-                s[g * PAGE + cc] = part[g * LANES] + part[g * LANES + 1]
-                mn[g] = T.max(mn[g], s[g * PAGE + cc])
-        for g in T.unroll(G):
-            # exp2 of the whole page in vector lanes; lanes past `cnt` hold stale scores, are
-            # clamped, and never read.
-            for cc in T.vectorized(PAGE):
-                s[g * PAGE + cc] = exp2_nonpositive(s[g * PAGE + cc] - mn[g])
-            part[g * LANES] = exp2_nonpositive(m[g] - mn[g])  # rescales the earlier pages
-            den[g] = den[g] * part[g * LANES]
-            m[g] = mn[g]
-            for d0 in T.unroll(NV):
-                for j in T.vectorized(LANES):
-                    acc[g * D + d0 * LANES + j] = acc[g * D + d0 * LANES + j] * part[g * LANES]
-        for cc in T.serial(cnt):
-            for g in T.unroll(G):
-                den[g] = den[g] + s[g * PAGE + cc]
-                for d0 in T.unroll(NV):
-                    for j in T.vectorized(LANES):
-                        acc[g * D + d0 * LANES + j] = acc[g * D + d0 * LANES + j] + s[
-                            g * PAGE + cc
-                        ] * pages[page, 1, hk, cc, d0 * LANES + j].astype("float32")
+                    for d in T.vectorized(D):
+                        acc[(hk * G + g) * D + d] = acc[(hk * G + g) * D + d] + p[
+                            hk * G + g, cc
+                        ] * pages[page, 1, hk, cc, d].astype("float32")
+        else:
+            for cc in T.serial(cnt):
+                for g in T.unroll(G):
+                    for d in T.vectorized(D):
+                        acc[(hk * G + g) * D + d] = acc[(hk * G + g) * D + d] + p[
+                            hk * G + g, cc
+                        ] * pages[page, 1, hk, cc, d].astype("float32")
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv(
@@ -175,68 +246,149 @@ def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype:
         )
         assert rotary_mode == 0, "mlcrun's decode attention expects RoPE already applied"
 
-        for task in T.parallel(B * H_kv):
+        # Split chunks: chunk_start[b] = the first chunk of sequence b, chunk_seq[i] = the
+        # sequence of chunk i; a split chunk's unnormalized output, running max and sum.
+        chunk_start = T.alloc_buffer((SPLIT_TASKS + 1,), "int32")
+        chunk_seq = T.alloc_buffer((MAX_CHUNKS,), "int32")
+        part_acc = T.alloc_buffer((MAX_CHUNKS, H_qo, D), "float32")
+        part_m = T.alloc_buffer((MAX_CHUNKS, H_qo), "float32")
+        part_den = T.alloc_buffer((MAX_CHUNKS, H_qo), "float32")
+        chunks = T.alloc_buffer((1,), "int32")
+        split: T.let[T.bool] = B < SPLIT_TASKS
+        chunk_pages: T.let[T.int32] = T.if_then_else(
+            split,
+            T.max(
+                MIN_SPLIT_PAGES,
+                T.ceildiv(page_table_indptr[B] - page_table_indptr[0], SPLIT_TASKS),
+            ),
+            1 << 30,
+        )
+        chunks[0] = B
+        if split:
+            chunk_start[0] = 0
+            for b in T.serial(B):
+                chunk_start[b + 1] = chunk_start[b] + T.max(
+                    1,
+                    T.ceildiv(page_table_indptr[b + 1] - page_table_indptr[b], chunk_pages),
+                )
+                for c in T.serial(chunk_start[b + 1] - chunk_start[b]):
+                    chunk_seq[chunk_start[b] + c] = b
+            chunks[0] = chunk_start[B]
+
+        for task in T.parallel(chunks[0]):
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
-                qv = T.sblock_alloc_buffer((G * D,), "float32")
-                acc = T.sblock_alloc_buffer((G * D,), "float32")
-                s = T.sblock_alloc_buffer((G * PAGE,), "float32")
-                part = T.sblock_alloc_buffer((G * LANES,), "float32")
-                m = T.sblock_alloc_buffer((G,), "float32")
-                mn = T.sblock_alloc_buffer((G,), "float32")
-                den = T.sblock_alloc_buffer((G,), "float32")
-                b: T.let[T.int32] = task // H_kv
-                hk: T.let[T.int32] = task % H_kv
+                qv = T.sblock_alloc_buffer((H_qo * D,), "float32")
+                acc = T.sblock_alloc_buffer((H_qo * D,), "float32")
+                sc = T.sblock_alloc_buffer((KEYS, LANES), "float32")
+                ra = T.sblock_alloc_buffer((8, LANES), "float32")
+                rb = T.sblock_alloc_buffer((4, LANES), "float32")
+                hx = T.sblock_alloc_buffer((2, LANES), "float32")
+                p = T.sblock_alloc_buffer((H_qo, LANES), "float32")
+                den = T.sblock_alloc_buffer((H_qo, LANES), "float32")
+                m = T.sblock_alloc_buffer((H_qo,), "float32")
+                b: T.let[T.int32] = T.if_then_else(split, chunk_seq[task], task)
+                c: T.let[T.int32] = T.if_then_else(split, task - chunk_start[b], 0)
+                whole: T.let[T.bool] = T.if_then_else(
+                    split, chunk_start[b + 1] - chunk_start[b] == 1, True
+                )
                 begin: T.let[T.int32] = page_table_indptr[b]
                 num_pages: T.let[T.int32] = page_table_indptr[b + 1] - begin
                 n: T.let[T.int32] = T.if_then_else(
                     num_pages > 0, (num_pages - 1) * PAGE + last_page_len[b], 0
                 )
-                for g in T.serial(G):
+                first_page: T.let[T.int32] = c * chunk_pages
+                end_page: T.let[T.int32] = T.min(num_pages, first_page + chunk_pages)
+                for h in T.serial(H_qo):
                     for d in T.vectorized(D):
-                        qv[g * D + d] = Q[b, hk * G + g, d].astype("float32") * (sm_scale * LOG2E)
-                        acc[g * D + d] = T.float32(0)
-                    m[g] = T.float32(EMPTY)
-                    den[g] = T.float32(0)
-                for c in T.serial(num_pages):
-                    page_block(
-                        qv,
-                        acc,
-                        s,
-                        part,
-                        m,
-                        mn,
-                        den,
-                        pages,
-                        page_table_values[begin + c],
-                        hk,
-                        T.min(PAGE, n - c * PAGE),
-                    )
-                for g in T.serial(G):
-                    for d in T.vectorized(D):
-                        output[b, hk * G + g, d] = T.if_then_else(
-                            n > 0, acc[g * D + d] / den[g], T.float32(0)
-                        ).astype(output.dtype)
-                    lse[b, hk * G + g] = T.if_then_else(
-                        n > 0, m[g] + T.log2(den[g]), T.float32(EMPTY)
-                    )
+                        qv[h * D + d] = Q[b, h, d].astype("float32") * (sm_scale * LOG2E)
+                        acc[h * D + d] = T.float32(0)
+                    for j in T.vectorized(LANES):
+                        den[h, j] = T.float32(0)
+                    m[h] = T.float32(EMPTY)
+                for pg in T.serial(first_page, end_page):
+                    for hk in T.serial(H_kv):
+                        scores(
+                            qv,
+                            acc,
+                            sc,
+                            ra,
+                            rb,
+                            hx,
+                            p,
+                            m,
+                            den,
+                            pages,
+                            page_table_values[begin + pg],
+                            hk,
+                            T.min(PAGE, n - pg * PAGE),
+                        )
+                    for hk in T.serial(H_kv):
+                        values(
+                            acc,
+                            p,
+                            pages,
+                            page_table_values[begin + pg],
+                            hk,
+                            T.min(PAGE, n - pg * PAGE),
+                        )
+                for h in T.serial(H_qo):
+                    hx[1, 0] = T.float32(0)
+                    for j in T.serial(LANES):
+                        hx[1, 0] = hx[1, 0] + den[h, j]
+                    if whole:
+                        for d in T.vectorized(D):
+                            output[b, h, d] = T.if_then_else(
+                                hx[1, 0] > 0, acc[h * D + d] / hx[1, 0], T.float32(0)
+                            ).astype(output.dtype)
+                        lse[b, h] = T.if_then_else(
+                            hx[1, 0] > 0, m[h] + T.log2(hx[1, 0]), T.float32(EMPTY)
+                        )
+                    else:
+                        for d in T.vectorized(D):
+                            part_acc[task, h, d] = acc[h * D + d]
+                        part_m[task, h] = m[h]
+                        part_den[task, h] = hx[1, 0]
+
+        if chunks[0] > B:
+            # Merge the chunks of each split sequence, relative to their largest max: on the
+            # calling thread (at most 2 * SPLIT_TASKS chunks), so no second fork and join.
+            for task in T.serial(B * H_kv):
+                with T.sblock("merge"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((D,), "float32")
+                    w = T.sblock_alloc_buffer((3,), "float32")
+                    b: T.let[T.int32] = task // H_kv
+                    c0: T.let[T.int32] = chunk_start[b]
+                    nc: T.let[T.int32] = chunk_start[b + 1] - c0
+                    if nc > 1:
+                        for g in T.serial(G):
+                            h: T.let[T.int32] = task % H_kv * G + g
+                            w[0] = T.float32(EMPTY)
+                            for c in T.serial(nc):
+                                w[0] = T.max(w[0], part_m[c0 + c, h])
+                            w[1] = T.float32(0)
+                            for d in T.vectorized(D):
+                                acc[d] = T.float32(0)
+                            for c in T.serial(nc):
+                                w[2] = exp2_nonpositive(part_m[c0 + c, h] - w[0])
+                                w[1] = w[1] + part_den[c0 + c, h] * w[2]
+                                for d in T.vectorized(D):
+                                    acc[d] = acc[d] + part_acc[c0 + c, h, d] * w[2]
+                            for d in T.vectorized(D):
+                                output[b, h, d] = T.if_then_else(
+                                    w[1] > 0, acc[d] / w[1], T.float32(0)
+                                ).astype(output.dtype)
+                            lse[b, h] = T.if_then_else(
+                                w[1] > 0, w[0] + T.log2(w[1]), T.float32(EMPTY)
+                            )
 
     return batch_decode_paged_kv
 
 
 # ------------------------------------------------------------------------------- row tiles
-
-
-def _shuffle_indices(step: int) -> tuple[list[int], list[int]]:
-    """One stage of a 16 x 16 transpose by shuffles: rows i and i + step (i & step == 0)
-    exchange their off-diagonal blocks of `step` lanes. Indices into concat(row i, row i+step)."""
-    first = [16 + j - step if j & step else j for j in range(16)]
-    second = [16 + j if j & step else j + step for j in range(16)]
-    return first, second
-
-
-_STAGES = {step: _shuffle_indices(step) for step in (8, 4, 2, 1)}
 
 
 @T.macro

@@ -122,11 +122,9 @@ def _check(out, lse, want, dtype, rows=None):
     np.testing.assert_allclose(lse[rows], want[1][rows], atol=TOL[dtype] * 10, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_decode(shape, dtype):
+def _check_decode(shape, dtype, kv_lens):
+    """Decode attention (one query row per sequence) over sequences of kv_lens keys."""
     h_qo, h_kv, d = shape
-    kv_lens = [1, 16, 37, 0, 100]  # one page exactly, a partial page, an empty sequence
     pool, values, indptr, last, keys, vals = _pages(kv_lens, h_kv, d, dtype)
     q = RNG.standard_normal((len(kv_lens), h_qo, d)).astype(dtype)
     out = _t(np.zeros(q.shape, dtype))
@@ -135,15 +133,39 @@ def test_decode(shape, dtype):
     scale = d**-0.5
     f = _build(A.decode_attention, shape, dtype)
     f(_t(q), _t(pool), _t(indptr), _t(values), _t(last), zeros, zeros, out, lse, 0, 1.0, 1e4, scale)
+    want_out, want_lse = np.zeros(q.shape), np.zeros(q.shape[:2])
     for b, n in enumerate(kv_lens):
-        want = _ref(q[b : b + 1], keys[b], vals[b], np.ones((1, n), bool), scale)
-        _check(
-            out,
-            lse,
-            (np.pad(want[0], ((b, 0), (0, 0), (0, 0))), np.pad(want[1], ((b, 0), (0, 0)))),
-            dtype,
-            b,
+        want_out[b : b + 1], want_lse[b : b + 1] = _ref(
+            q[b : b + 1], keys[b], vals[b], np.ones((1, n), bool), scale
         )
+    _check(out, lse, (want_out, want_lse), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode(shape, dtype):
+    # one page exactly, a partial page, an empty sequence
+    _check_decode(shape, dtype, [1, 16, 37, 0, 100])
+
+
+# Batches below A.SPLIT_TASKS sequences split a sequence of more than A.MIN_SPLIT_PAGES pages
+# into chunks (merged after); a batch of many sequences takes each whole.
+DECODE_LENS = {
+    "one key": [1],
+    "partial page": [15],
+    "page and one": [17],
+    "split, partial last page": [511],
+    "split, uneven chunks": [2049],
+    "mixed": [2049, 3, 0, 300, 64, 65],
+    "many": [700, *range(1, 2 * A.SPLIT_TASKS, 2)],
+}
+
+
+@pytest.mark.parametrize("lens", DECODE_LENS.values(), ids=DECODE_LENS.keys())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 2, 64), (9, 3, 64), (14, 2, 64)], ids=["G1", "G3", "G7"])
+def test_decode_split(shape, dtype, lens):
+    _check_decode(shape, dtype, lens)
 
 
 @pytest.mark.parametrize("causal", [1, 0])
