@@ -144,8 +144,9 @@ class ArtifactTensors:
         if name in self._info:  # stored as a float
             return tuple(self._info[name].shape)
         prefix = name[: -len("weight")]
-        n, k = self._info[prefix + "q_weight"].shape
-        if prefix + "q_min" in self._info:  # q4: K / 8 words of 8 codes
+        codes = self._info[prefix + "q_weight"]
+        n, k = codes.shape
+        if codes.dtype == "uint32":  # q4: K / 8 words of 8 codes
             k *= numpy_ref.NIBBLES_PER_WORD
         return (n, k)
 

@@ -6,11 +6,11 @@ llama.cpp stores a row of K weights as K/32 blocks (little-endian, packed):
 * Q4_1, 20 bytes: d (f16), m (f16), qs[16]; w[j] = lo(qs[j]) * d + m, w[j + 16] = hi(...) ...
 * Q8_0, 34 bytes: d (f16), qs[32] (int8); w[j] = qs[j] * d
 
-Our q4 presets hold w = q * scale + min per group of 32 (quant/presets.py), so Q4_1 is
-(scale = d, min = m) and Q4_0 is (scale = d, min = -8 d): both exact in f16 or f32 storage
-(-8 d only moves the exponent; it is checked for f16 overflow). Q8_0 is q8f32 with scale = d.
-Only the nibble order differs: a block keeps element j and j + 16 in one byte, our words keep
-elements 8 i .. 8 i + 7 in word i.
+The symmetric q4f16_0 (w = (q - 8) * scale, quant/presets.py) is Q4_0 itself: scale = d.
+The q4 presets with a min (w = q * scale + min) hold Q4_1 as (scale = d, min = m) and Q4_0 as
+(scale = d, min = -8 d): both exact in f16 or f32 storage (-8 d only moves the exponent; it is
+checked for f16 overflow). Q8_0 is q8f32 with scale = d. Only the nibble order differs: a
+block keeps element j and j + 16 in one byte, our words keep elements 8 i .. 8 i + 7 in word i.
 
 `exact_params` returns None whenever the stored type does not fit the preset exactly; the
 compile then quantizes the float weights instead.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .numpy_ref import pack_int4
+from .numpy_ref import Q4_ZERO, pack_int4
 from .presets import GROUP_SIZE, QuantPreset
 
 _BLOCK = {
@@ -48,9 +48,11 @@ def blocks(ggml_type: str, data: np.ndarray) -> np.ndarray:
 
 
 def exact_params(preset: QuantPreset, ggml_type: str, data: np.ndarray) -> dict | None:
-    """Suffix ("q_weight", "q_scale", "q_min") -> array for a quantized GGUF tensor stored in
+    """Suffix ("q_weight", "q_scale"[, "q_min"]) -> array for a quantized GGUF tensor stored in
     `preset` without loss, or None when the preset cannot hold it exactly."""
     if _BLOCK_KIND.get(ggml_type) != preset.kind or preset.group_size != GROUP_SIZE:
+        return None
+    if preset.symmetric and ggml_type != "Q4_0":  # Q4_1's min has no place there
         return None
     b = blocks(ggml_type, data)
     d = b["d"].astype(np.float32)  # f16 -> f32 or f16: exact
@@ -58,12 +60,15 @@ def exact_params(preset: QuantPreset, ggml_type: str, data: np.ndarray) -> dict 
         codes = b["qs"].reshape(b.shape[0], -1)
         return {"q_weight": codes, "q_scale": d.astype(preset.scale_dtype)}
     qs = b["qs"]  # [rows, blocks, 16]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(b.shape[0], -1)
-    mins = b["m"].astype(np.float32) if ggml_type == "Q4_1" else -8 * d
-    scale, mins = d.astype(preset.scale_dtype), mins.astype(preset.scale_dtype)
+    codes = pack_int4(np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(b.shape[0], -1))
+    scale = d.astype(preset.scale_dtype)
+    if preset.symmetric:
+        return {"q_weight": codes, "q_scale": scale}
+    mins = b["m"].astype(np.float32) if ggml_type == "Q4_1" else -Q4_ZERO * d
+    mins = mins.astype(preset.scale_dtype)
     if not np.all(np.isfinite(mins)):  # -8 d beyond f16 range
         return None
-    return {"q_weight": pack_int4(codes), "q_scale": scale, "q_min": mins}
+    return {"q_weight": codes, "q_scale": scale, "q_min": mins}
 
 
 def auto_preset(layer_types: dict[str, int], embedding_types: dict[str, int]) -> str:

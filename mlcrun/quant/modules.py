@@ -5,6 +5,7 @@
 module declares. Both decide from the same facts (preset, 2-D weight, K), so they agree:
 
     X.weight [N, K] f32 -> q4: X.q_weight [N, K/8] uint32, X.q_scale [N, K/32], X.q_min [N, K/32]
+                           q4f16_0 (symmetric): X.q_weight, X.q_scale (no q_min)
                            q8: X.q_weight [N, K] int8,     X.q_scale [N, K/32] f32
                            q0f16: X.weight [N, K] f16
                            q0bf16: X.weight [N, K] uint16 (bfloat16 bits)
@@ -71,7 +72,8 @@ F32 = "float32"
 # come with the exported module alone, e.g. the KV cache's).
 SCHEDULABLE_ATTR = "mlcrun.schedulable"
 # Block annotation of the int8-activation TE ops: "quantize_q4", "quantize_q8", "matmul_q4",
-# "matmul_q8" (compiler/schedules/int8.py generates their kernels).
+# "matmul_q4_sym" (the symmetric q4: no mins), "matmul_q8" (compiler/schedules/int8.py
+# generates their kernels).
 INT8_ATTR = "mlcrun.int8"
 # Block annotation of the bf16-activation TE ops: "round" (x -> bf16 bits) and "matmul"
 # (compiler/schedules/bf16.py generates their kernels).
@@ -111,14 +113,15 @@ def _dequantize(preset: QuantPreset, w: list[te.Tensor], n, k, int8: bool = Fals
             code = w[0][_tiled(n, k, rows, cols, 4)].astype("int32") - 128
             return code.astype(F32) * w[1][k // g, n].astype(F32)
         return w[0][n, k].astype(F32) * w[1][n, k // g].astype(F32)
-    q, scale, mins = w
+    q, *scales = w  # scale[, min]: [N, K/32], or [K/32, N] in the int8 layout
     per = numpy_ref.NIBBLES_PER_WORD
     shift = (k % per).astype("uint32") * tirx.const(4, "uint32")
     word = q[_tiled(n, k // per, rows, cols, 1)] if int8 else q[n, k // per]
     code = ((word >> shift) & tirx.const(15, "uint32")).astype(F32)
-    if int8:
-        return code * scale[k // g, n].astype(F32) + mins[k // g, n].astype(F32)
-    return code * scale[n, k // g].astype(F32) + mins[n, k // g].astype(F32)
+    scale, *mins = (s[k // g, n] if int8 else s[n, k // g] for s in scales)
+    if preset.symmetric:  # w = (q - 8) * scale
+        return (code - tirx.const(numpy_ref.Q4_ZERO, F32)) * scale.astype(F32)
+    return code * scale.astype(F32) + mins[0].astype(F32)
 
 
 def dequantize_matmul(preset: QuantPreset, n: int, k: int, x: Tensor, *w: Tensor) -> Tensor:
@@ -227,7 +230,8 @@ def int8_matmul(preset: QuantPreset, n: int, k: int, x: Tensor, *w: Tensor) -> T
             return te.sum(a * _dequantize(preset, list(w_te), col, r, int8=True), axis=r)
 
         out_shape = (*c_te.shape[:-1], n)
-        return te.compute(out_shape, body, name="matmul", attrs={INT8_ATTR: f"matmul_{kind}"})
+        attr = f"matmul_{kind}_sym" if preset.symmetric else f"matmul_{kind}"
+        return te.compute(out_shape, body, name="matmul", attrs={INT8_ATTR: attr})
 
     args = [codes, scale, sums, *w]
     return op.tensor_expr_op(compute, "int8_matmul", args, attrs={SCHEDULABLE_ATTR: True})

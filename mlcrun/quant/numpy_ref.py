@@ -18,6 +18,7 @@ from ..errors import MlcrunError
 from .presets import GROUP_SIZE
 
 NIBBLES_PER_WORD = 8
+Q4_ZERO = 8  # the code of zero in the symmetric q4 format (q4f16_0, GGUF Q4_0)
 
 
 def is_quantizable(shape: tuple[int, ...], group_size: int = GROUP_SIZE) -> bool:
@@ -96,13 +97,39 @@ def quantize_q4(
     return pack_int4(codes.reshape(w.shape).astype(np.uint8)), scale, mins
 
 
-def dequantize_q4(packed: np.ndarray, scale: np.ndarray, mins: np.ndarray) -> np.ndarray:
-    """w = q * scale + min, float32 [N, K]."""
+def quantize_q4_sym(
+    w: np.ndarray,
+    name: str = "weight",
+    scale_dtype: str = "float16",
+    group_size: int = GROUP_SIZE,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric 4-bit, llama.cpp's quantize_row_q4_0: per group d = v / -8 with v the
+    element of largest magnitude (the first, on ties; signed, so v itself gets code 0),
+    q = min(15, trunc(w / d + 8.5)) with w / d computed as w * (1 / d) in float32 from the
+    unrounded d, then d stored in `scale_dtype`. w = (q - 8) * scale. Returns
+    (packed [N, K/8] uint32, scale [N, K/32])."""
+    check_groups(name, w.shape, group_size)
+    g = _groups(w, group_size)
+    top = np.take_along_axis(g, np.abs(g).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    d = top / np.float32(-Q4_ZERO)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)  # flat group: q = 8
+    codes = np.trunc(g * inv[..., None] + np.float32(Q4_ZERO + 0.5))
+    codes = np.minimum(codes, 15).astype(np.uint8)
+    return pack_int4(codes.reshape(w.shape)), d.astype(scale_dtype)
+
+
+def dequantize_q4(
+    packed: np.ndarray, scale: np.ndarray, mins: np.ndarray | None = None
+) -> np.ndarray:
+    """w = q * scale + min, float32 [N, K]; without mins the symmetric form,
+    w = (q - 8) * scale."""
     codes = unpack_int4(packed).astype(np.float32)
     n, k = codes.shape
     g = codes.reshape(n, scale.shape[1], -1)
-    s, m = scale.astype(np.float32)[..., None], mins.astype(np.float32)[..., None]
-    return (g * s + m).reshape(n, k)
+    s = scale.astype(np.float32)[..., None]
+    if mins is None:
+        return ((g - Q4_ZERO) * s).reshape(n, k)
+    return (g * s + mins.astype(np.float32)[..., None]).reshape(n, k)
 
 
 def quantize_q8(
@@ -164,15 +191,16 @@ def untile_rows(a: np.ndarray, unit: int) -> np.ndarray:
     return out
 
 
-def q4_to_int8_layout(packed, scale, mins) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Row-major q4 params -> the int8 kernels' (words in panels, scales and mins [K/32, N])."""
+def q4_to_int8_layout(packed, *scales) -> tuple[np.ndarray, ...]:
+    """Row-major q4 params (packed, scale[, mins]) -> the int8 kernels' (words in panels,
+    scales [and mins] [K/32, N])."""
     t = np.ascontiguousarray
-    return t(tile_rows(np.asarray(packed, np.uint32), 1)), t(scale.T), t(mins.T)
+    return t(tile_rows(np.asarray(packed, np.uint32), 1)), *(t(s.T) for s in scales)
 
 
-def q4_from_int8_layout(packed, scale, mins) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def q4_from_int8_layout(packed, *scales) -> tuple[np.ndarray, ...]:
     t = np.ascontiguousarray
-    return t(untile_rows(np.asarray(packed, np.uint32), 1)), t(scale.T), t(mins.T)
+    return t(untile_rows(np.asarray(packed, np.uint32), 1)), *(t(s.T) for s in scales)
 
 
 def q8_to_int8_layout(codes, scale) -> tuple[np.ndarray, np.ndarray]:
@@ -218,22 +246,28 @@ def q4_activation_order(codes: np.ndarray) -> np.ndarray:
 
 def int8_linear(x: np.ndarray, kind: str, params: tuple, group_size: int = GROUP_SIZE):
     """float64 [M, N]: x @ W.T as the int8 kernels compute it, from row-major params (q4:
-    packed, scale, mins; q8: codes, scale): exact int32 dot products per group of 32, then
-    sum_g dot_g * (scale_w * scale_a) (+ min_w * scale_a * sum_g(codes_a) for q4)."""
+    packed, scale[, mins], without mins the symmetric form; q8: codes, scale): exact int32
+    dot products per group of 32, then sum_g dot_g * (scale_w * scale_a) (+ min_w * scale_a *
+    sum_g(codes_a) for q4 with mins). The symmetric q4's -8 is exact in the int32 dot:
+    dot_g = sum(q * a) - 8 * sum_g(codes_a)."""
     codes, da, sums = quantize_activations(x, group_size)
     m, k = codes.shape
     qa = codes.astype(np.int64).reshape(m, k // group_size, group_size)
+    mins = None
     if kind == "q4":
-        packed, scale, mins = params
+        packed, scale, *rest = params
         wq = unpack_int4(packed).astype(np.int64)
+        mins = rest[0] if rest else None
     else:
         wq, scale = params
         wq = np.asarray(wq).astype(np.int64)
     n = wq.shape[0]
     dots = np.einsum("mgk,ngk->mng", qa, wq.reshape(n, k // group_size, group_size))
+    if kind == "q4" and mins is None:
+        dots = dots - Q4_ZERO * sums.astype(np.int64)[:, None, :]
     da64 = da.astype(np.float64)[:, None, :]
     y = (dots * scale.astype(np.float64)[None] * da64).sum(-1)
-    if kind == "q4":
+    if mins is not None:
         y += (mins.astype(np.float64)[None] * (da64 * sums[:, None, :])).sum(-1)
     return y
 

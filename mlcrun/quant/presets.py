@@ -19,6 +19,11 @@ Formats (K: a Linear's input features / the embedding dim, groups of 32 along K)
   (min = -7 * scale) exactly in q4f32_1 (-7 * scale needs more mantissa than fp16 has). The
   min/max quantizer (numpy_ref) lands on those exact values only for groups that use the
   full code range 0..15; repacking such blocks directly would keep every group exact.
+* q4f16_0: the symmetric 4-bit form, GGUF Q4_0 exactly: the same words of 4-bit codes and one
+  fp16 scale per group of 32, no min: w = (q - 8) * scale (4.5 bits per weight against
+  q4f16_1's 5). The quantizer is llama.cpp's quantize_row_q4_0 (scale = the group's signed
+  value of largest magnitude / -8, q = min(15, trunc(w / scale + 8.5))), so a float
+  checkpoint gets the blocks llama.cpp would write.
 * q8f32: int8 codes with one fp32 scale per group of 32: w = q * scale (symmetric, GGUF Q8_0).
 
 Activations (`mlcrun compile --activations`, quant/modules.py): `exact` keeps them in float32
@@ -57,6 +62,7 @@ class QuantPreset:
     description: str
     group_size: int = GROUP_SIZE
     embedding: QuantPreset | None = None  # the embedding table's and lm_head's, when different
+    symmetric: bool = False  # q4 only: no min, codes offset by 8 (w = (q - 8) * scale)
 
     @property
     def for_embedding(self) -> QuantPreset:
@@ -78,7 +84,7 @@ class QuantPreset:
             return 16.0
         scale_bits = 32 if self.scale_dtype == "float32" else 16
         if self.kind == "q4":
-            return 4 + 2 * scale_bits / self.group_size
+            return 4 + (1 if self.symmetric else 2) * scale_bits / self.group_size
         return 8 + scale_bits / self.group_size
 
 
@@ -88,6 +94,13 @@ PRESETS: dict[str, QuantPreset] = {
         QuantPreset("q0f32", "none", None, "float32 weights (no quantization)"),
         QuantPreset("q0f16", "f16", None, "float16 weights, float32 compute"),
         QuantPreset("q0bf16", "bf16", None, "bfloat16 weights, float32 compute"),
+        QuantPreset(
+            "q4f16_0",
+            "q4",
+            "float16",
+            "4-bit, group 32, float16 scale per group, symmetric (GGUF Q4_0)",
+            symmetric=True,
+        ),
         QuantPreset("q4f32_1", "q4", "float32", "4-bit, group 32, float32 scale + min per group"),
         QuantPreset("q4f16_1", "q4", "float16", "4-bit, group 32, float16 scale + min per group"),
         QuantPreset("q8f32", "q8", "float32", "8-bit, group 32, float32 scale per group"),

@@ -3,6 +3,7 @@
 numpy only (no TVM), keyed by param names exactly as quant/modules.py's rewrite names them:
 
     X.weight [N, K] f32 -> q4: X.q_weight [N, K/8] uint32, X.q_scale [N, K/32], X.q_min [N, K/32]
+                           q4f16_0 (symmetric): X.q_weight, X.q_scale (no q_min)
                            q8: X.q_weight [N, K] int8,     X.q_scale [N, K/32] f32
                            q0f16: X.weight [N, K] f16
                            q0bf16: X.weight [N, K] uint16 (bfloat16 bits)
@@ -36,25 +37,28 @@ def quant_param_specs(
 ) -> dict[str, tuple[tuple[int, ...], str]]:
     """Suffix -> (shape, dtype) of the params that replace a float [n, k] `weight`."""
     g = preset.group_size
-    if uses_int8(preset, activations):
-        scales = ((k // g, n), preset.scale_dtype)
-        if preset.kind == "q8":
-            return {"q_weight": ((n, k), "uint8"), "q_scale": scales}
-        words = ((n, k // numpy_ref.NIBBLES_PER_WORD), "uint32")
-        return {"q_weight": words, "q_scale": scales, "q_min": scales}
     if preset.kind == "f16":
         return {"weight": ((n, k), "float16")}
     if preset.kind == "bf16":
         return {"weight": ((n, k), "uint16")}  # panels or row-major: the same shape
+    if preset.kind not in ("q4", "q8"):
+        raise ValueError(f"preset {preset.name} stores float32 weights")
+    int8 = uses_int8(preset, activations)
+    scales = ((k // g, n) if int8 else (n, k // g), preset.scale_dtype)
     if preset.kind == "q8":
-        return {"q_weight": ((n, k), "int8"), "q_scale": ((n, k // g), preset.scale_dtype)}
-    if preset.kind == "q4":
-        return {
-            "q_weight": ((n, k // numpy_ref.NIBBLES_PER_WORD), "uint32"),
-            "q_scale": ((n, k // g), preset.scale_dtype),
-            "q_min": ((n, k // g), preset.scale_dtype),
-        }
-    raise ValueError(f"preset {preset.name} stores float32 weights")
+        codes = ((n, k), "uint8" if int8 else "int8")
+    else:
+        codes = ((n, k // numpy_ref.NIBBLES_PER_WORD), "uint32")
+    specs = {"q_weight": codes, "q_scale": scales, "q_min": scales}
+    return {suffix: specs[suffix] for suffix in quant_suffixes(preset)}
+
+
+def quant_suffixes(preset: QuantPreset) -> tuple[str, ...]:
+    """The suffixes of the params that replace a q4/q8 `weight`, in declaration order: q4
+    with a min per group, q_weight, q_scale, q_min; q8 and the symmetric q4, no q_min."""
+    if preset.kind == "q4" and not preset.symmetric:
+        return QUANT_SUFFIXES
+    return QUANT_SUFFIXES[:2]
 
 
 def bf16_panels(preset: QuantPreset, k: int, activations: str) -> bool:
@@ -104,17 +108,13 @@ def weight_transform(
         panels = bf16_panels(preset, array.shape[1], activations)
         return {name: numpy_ref.tile_rows(bits, 2) if panels else bits}
     if preset.kind == "q8":
-        codes, scale = numpy_ref.quantize_q8(array, name, preset.scale_dtype, preset.group_size)
-        params = {prefix + "q_weight": codes, prefix + "q_scale": scale}
+        quantize = numpy_ref.quantize_q8
     else:
-        packed, scale, mins = numpy_ref.quantize_q4(
-            array, name, preset.scale_dtype, preset.group_size
-        )
-        params = {prefix + "q_weight": packed, prefix + "q_scale": scale, prefix + "q_min": mins}
+        quantize = numpy_ref.quantize_q4_sym if preset.symmetric else numpy_ref.quantize_q4
+    arrays = quantize(array, name, preset.scale_dtype, preset.group_size)
+    suffixes = quant_suffixes(preset)
+    params = {prefix + s: a for s, a in zip(suffixes, arrays, strict=True)}
     return to_layout(preset, params, activations)
-
-
-_SUFFIXES = {"q4": ("q_weight", "q_scale", "q_min"), "q8": ("q_weight", "q_scale")}
 
 
 def to_layout(
@@ -124,7 +124,7 @@ def to_layout(
     kernels for `activations` read; other params, and the exact layout, pass unchanged."""
     if not uses_int8(preset, activations) or not any(k.endswith(".q_weight") for k in params):
         return params
-    names = _names_by_suffix(params, *_SUFFIXES[preset.kind])
+    names = _names_by_suffix(params, *quant_suffixes(preset))
     arrays = [params[n] for n in names]
     if preset.kind == "q8":
         converted = numpy_ref.q8_to_int8_layout(*arrays)
@@ -138,8 +138,8 @@ def dequantize_params(
 ) -> np.ndarray:
     """numpy: the float32 [N, K] weight a set of params from weight_transform (with the same
     `activations`) stands for."""
-    if preset.kind in _SUFFIXES:
-        arrays = [params[n] for n in _names_by_suffix(params, *_SUFFIXES[preset.kind])]
+    if preset.kind in ("q4", "q8"):
+        arrays = [params[n] for n in _names_by_suffix(params, *quant_suffixes(preset))]
         if uses_int8(preset, activations):
             if preset.kind == "q8":
                 arrays = list(numpy_ref.q8_from_int8_layout(*arrays))

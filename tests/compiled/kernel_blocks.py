@@ -40,8 +40,9 @@ def export_block(
     vocab: int,
     activations: str = "exact",
     functions: tuple[str, ...] = ("forward", "head", "lookup"),
+    target: tvm.target.Target | None = None,
 ):
-    """(the quantized module, its IRModule, its named params) for the CPU target."""
+    """(the quantized module, its IRModule, its named params) for `target` (the CPU's)."""
     model = quantize_model(Block(n, k, vocab), get_preset(preset), activations)
     spec = {
         "forward": {
@@ -52,7 +53,7 @@ def export_block(
         "head": {"h": nn.spec.Tensor(["m", k], "float32"), "$": PACKED},
         "lookup": {"ids": nn.spec.Tensor(["m"], "int32"), "$": PACKED},
     }
-    with cpu_target():
+    with target or cpu_target():
         mod, named = model.export_tvm({name: spec[name] for name in functions})
     return model, mod, named
 

@@ -23,7 +23,11 @@ from mlcrun.compiler.schedules import cpu as cpu_rules  # noqa: E402
 from mlcrun.compiler.target import cpu_target, int8_dot_bits  # noqa: E402
 from mlcrun.quant import get_preset, numpy_ref  # noqa: E402
 from mlcrun.quant.modules import quantize_activations  # noqa: E402
-from mlcrun.quant.transform import dequantize_params, weight_transform  # noqa: E402
+from mlcrun.quant.transform import (  # noqa: E402
+    dequantize_params,
+    quant_suffixes,
+    weight_transform,
+)
 
 pytestmark = pytest.mark.skipif(
     not int8_dot_bits(cpu_target()), reason="this CPU has no AVX512-VNNI or AVX-VNNI"
@@ -43,8 +47,7 @@ def _compile(preset: str, n: int, k: int, vocab: int):
 
 def _row_major(p, name: str, w: np.ndarray) -> tuple:
     out = weight_transform(p, name, w)
-    suffixes = ("q_weight", "q_scale", "q_min") if p.kind == "q4" else ("q_weight", "q_scale")
-    return tuple(out[name.replace("weight", s)] for s in suffixes)
+    return tuple(out[name.replace("weight", s)] for s in quant_suffixes(p))
 
 
 def _run(vm, named, preset, n, k, vocab):
@@ -72,7 +75,7 @@ def _run(vm, named, preset, n, k, vocab):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # an fma may round once less
 
 
-@pytest.mark.parametrize("preset", ["q4f16_1", "q4f32_1", "q8f32"])
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f32_1", "q4f16_0", "q8f32"])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_int8_kernels_match_the_numpy_int8_model(preset, n, k):
     vocab = n + 3  # the tied head has its own odd N
@@ -133,8 +136,9 @@ def test_quantize_kernel_is_bit_exact(kind, rows):
     np.testing.assert_array_equal(sums, want_sums)
 
 
-def test_matmul_and_epilogue_are_one_vnni_kernel():
-    funcs = scheduled_forward("q4f16_1+q8f32", "int8")
+@pytest.mark.parametrize("preset", ["q4f16_1+q8f32", "q4f16_0+q8f32"])
+def test_matmul_and_epilogue_are_one_vnni_kernel(preset):
+    funcs = scheduled_forward(preset, "int8")
     matmuls = [name for name in funcs if "int8_matmul" in name]
     assert matmuls == ["fused_int8_matmul_add_add1"], sorted(funcs)  # bias + residual fused
     script = funcs[matmuls[0]].script()

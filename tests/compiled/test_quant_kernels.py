@@ -19,13 +19,13 @@ from tvm import relax, tirx  # noqa: E402
 
 from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
 from mlcrun.compiler.schedules.matmul import GEMM_MIN_ROWS  # noqa: E402
-from mlcrun.compiler.target import cpu_target  # noqa: E402
+from mlcrun.compiler.target import cpu_target, cuda_target  # noqa: E402
 from mlcrun.quant import get_preset  # noqa: E402
 from mlcrun.quant.modules import QuantEmbedding  # noqa: E402
 from mlcrun.quant.transform import dequantize_params, weight_transform  # noqa: E402
 
 RNG = np.random.default_rng(0)
-PRESETS = ("q0f16", "q8f32", "q4f32_1", "q4f16_1")
+PRESETS = ("q0f16", "q8f32", "q4f32_1", "q4f16_1", "q4f16_0")
 # GEMV for M = 1, the small-M variants (MR = 2, 4, 7; A padded to MR rows) below
 # GEMM_MIN_ROWS, padded GEMM from there
 ROWS = (1, 2, 3, 4, 5, 7, 8, 17, 64)
@@ -89,7 +89,7 @@ def _blocks(stmt: tirx.Stmt) -> list[str]:
     return re.findall(r'sblock\("(\w+)"\)', str(stmt))
 
 
-@pytest.mark.parametrize("preset", ["q4f16_1", "q8f32"])
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32"])
 def test_dequantize_and_epilogue_are_one_scheduled_kernel(preset: str) -> None:
     funcs = _kernels(preset)
     reading_codes = {
@@ -117,3 +117,12 @@ def test_dequantize_and_epilogue_are_one_scheduled_kernel(preset: str) -> None:
         # The GEMV and small-M variants share one parallel loop (see matmul._merge_small).
         assert str(branch.then_case).count("T.parallel") == 1, name
         assert "dequantize" in gemm, f"{name}: the GEMM should dequantize chunks once"
+
+
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0+q8f32"])
+def test_quantized_block_compiles_for_cuda(preset: str) -> None:
+    """The cuda path (the dlight GPU rules on the dequantize TE bodies, exact activations)
+    builds the q4 kernels here; the .so is not run."""
+    target = cuda_target("sm_90")
+    _, mod, _ = export_block(preset, 64, 128, 40, target=target)
+    assert tvm.compile(mod, target, relax_pipeline=get_pipeline(target)) is not None

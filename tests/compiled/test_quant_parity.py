@@ -34,7 +34,7 @@ from mlcrun.quant import get_preset
 from mlcrun.quant.transform import dequantize_params, weight_transform
 from mlcrun.runtime import Model
 
-QUANTIZED = ("q0f16", "q0bf16", "q8f32", "q4f32_1", "q4f16_1")
+QUANTIZED = ("q0f16", "q0bf16", "q8f32", "q4f32_1", "q4f16_1", "q4f16_0")
 POSITIONS = 64
 PREFIX = 8  # decode path: prefill PREFIX tokens, then one token per batch_decode
 TOKENS = np.random.default_rng(0).integers(3, 320, POSITIONS).tolist()
@@ -130,6 +130,7 @@ def test_agreement_with_fp32(preset, low_init_checkpoint, compiled):
     got = teacher_forced(compiled(low_init_checkpoint, preset))
     top1 = float(np.mean(got.argmax(-1) == base.argmax(-1)))
     cosine = _cosine(got, base)
+    print(preset, "top-1", top1, "cosine", cosine, "max |diff|", np.abs(got - base).max())
     if preset in ("q0f16", "q0bf16"):
         # What 16-bit weights cost on these logits (std 0.17, range 1.9), measured: fp16 max
         # |diff| 2.2e-4, mean 4.4e-5; bf16 (3 fewer mantissa bits) 2.2e-3, 3.5e-4. The
@@ -139,12 +140,12 @@ def test_agreement_with_fp32(preset, low_init_checkpoint, compiled):
         assert diff.max() <= limit[0] and diff.mean() <= limit[1], (diff.max(), diff.mean())
     elif preset == "q8f32":
         assert top1 >= 0.99 and cosine >= 0.999, (top1, cosine)
-    else:
+    else:  # measured: top-1 1.0; cosine q4f16_1 0.9926, q4f16_0 0.9914 (one scale, no min)
         assert top1 >= 0.90 and cosine >= 0.99, (top1, cosine)
 
 
 @pytest.mark.skipif(not int8_dot_bits(cpu_target()), reason="no AVX512-VNNI or AVX-VNNI")
-@pytest.mark.parametrize("preset", ["q8f32", "q4f16_1", "q4f32_1"])
+@pytest.mark.parametrize("preset", ["q8f32", "q4f16_1", "q4f32_1", "q4f16_0"])
 def test_int8_activations_stay_close_to_exact(preset, low_init_checkpoint, compiled):
     """Measured here (64 positions, logits up to 1.4): max |int8 - exact| 0.0049-0.0053,
     mean KL(exact || int8) 5-6e-7, cosine 0.99998, the same top-1 everywhere; on the
@@ -153,6 +154,7 @@ def test_int8_activations_stay_close_to_exact(preset, low_init_checkpoint, compi
     int8 = compiled(low_init_checkpoint, preset, "int8")
     for run in (teacher_forced, decoded):
         want, got = run(exact), run(int8)
+        print(preset, run.__name__, "max |int8 - exact|", np.abs(got - want).max())
         np.testing.assert_allclose(got, want, atol=0.02, rtol=0)
         assert np.array_equal(got.argmax(-1), want.argmax(-1))
         assert _cosine(got, want) >= 0.9999

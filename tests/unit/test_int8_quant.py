@@ -15,6 +15,7 @@ from mlcrun.quant import get_preset, numpy_ref, uses_int8
 from mlcrun.quant.transform import (
     dequantize_params,
     quant_param_specs,
+    quant_suffixes,
     to_layout,
     weight_transform,
 )
@@ -51,7 +52,7 @@ def test_q8_layout_is_offset_binary_codes():
     np.testing.assert_array_equal(scale_back, scale)
 
 
-@pytest.mark.parametrize("preset", ["q4f16_1", "q4f32_1", "q8f32"])
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f32_1", "q4f16_0", "q8f32"])
 @pytest.mark.parametrize(("n", "k"), ODD)
 def test_int8_transform_matches_specs_and_dequantizes_like_row_major(preset, n, k):
     p = get_preset(preset)
@@ -80,7 +81,8 @@ def test_only_q4_and_q8_use_the_int8_layout():
 
 
 @pytest.mark.parametrize(
-    ("qtype", "preset"), [("Q4_0", "q4f16_1"), ("Q4_1", "q4f32_1"), ("Q8_0", "q8f32")]
+    ("qtype", "preset"),
+    [("Q4_0", "q4f16_1"), ("Q4_0", "q4f16_0"), ("Q4_1", "q4f32_1"), ("Q8_0", "q8f32")],
 )
 def test_gguf_blocks_reach_the_int8_layout_bit_exactly(qtype, preset):
     from gguf import GGMLQuantizationType
@@ -123,14 +125,13 @@ def test_q4_activation_order_puts_each_words_even_elements_first():
     ]
 
 
-@pytest.mark.parametrize("preset", ["q4f16_1", "q8f32"])
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32"])
 def test_int8_linear_is_close_to_the_float_matmul(preset):
     p = get_preset(preset)
     w = RNG.standard_normal((37, 288)).astype(np.float32)
     x = RNG.standard_normal((5, 288)).astype(np.float32)
     rows = weight_transform(p, "x.weight", w)
-    suffixes = ("q_weight", "q_scale", "q_min") if p.kind == "q4" else ("q_weight", "q_scale")
-    y = numpy_ref.int8_linear(x, p.kind, tuple(rows[f"x.{s}"] for s in suffixes))
+    y = numpy_ref.int8_linear(x, p.kind, tuple(rows[f"x.{s}"] for s in quant_suffixes(p)))
     exact = x @ dequantize_params(p, rows).T
     # 8-bit activations: ~0.4% relative error per element of x, averaged over K
     assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()

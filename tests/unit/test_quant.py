@@ -28,10 +28,11 @@ def test_presets_table():
         "q0bf16": 16,
         "q4f32_1": 6,
         "q4f16_1": 5,
+        "q4f16_0": 4.5,
         "q8f32": 9,
     }
     assert not PRESETS["q0f32"].quantizes_embedding
-    for name in ("q0f16", "q0bf16", "q4f32_1", "q4f16_1", "q8f32"):
+    for name in ("q0f16", "q0bf16", "q4f32_1", "q4f16_1", "q4f16_0", "q8f32"):
         assert PRESETS[name].quantizes_embedding
 
 
@@ -122,6 +123,42 @@ def test_q4_represents_symmetric_and_gguf_formats_exactly():
         np.testing.assert_array_equal(numpy_ref.dequantize_q4(packed, scale, mins), w)
 
 
+def _q4_0_by_loops(w):
+    """llama.cpp's quantize_row_q4_0_ref, one element at a time: (codes, d in float32)."""
+    n, k = w.shape
+    codes, scales = np.zeros((n, k), np.int64), np.zeros((n, k // 32), np.float32)
+    for i in range(n):
+        for g in range(k // 32):
+            block = w[i, 32 * g : 32 * g + 32]
+            amax, top = np.float32(0), np.float32(0)
+            for v in block:
+                if amax < abs(v):
+                    amax, top = abs(v), v
+            d = np.float32(top / np.float32(-8))
+            inv = np.float32(1) / d if d else np.float32(0)
+            scales[i, g] = d
+            for j, v in enumerate(block):
+                codes[i, 32 * g + j] = min(15, int(np.float32(v * inv) + np.float32(8.5)))
+    return codes, scales
+
+
+@pytest.mark.parametrize(("n", "k"), [(7, 96), (2, 32), (5, 64)])
+def test_q4_sym_matches_llama_cpp_by_loops(n, k):
+    w = RNG.standard_normal((n, k)).astype(np.float32)
+    w[0, :32] = 0.0  # a flat group: d = 0, every code 8
+    w[-1, -5] = -4 * np.abs(w[-1, -32:]).max()  # a negative extreme gets code 0
+    packed, scale = numpy_ref.quantize_q4_sym(w, "w")
+    assert packed.shape == (n, k // 8) and scale.shape == (n, k // 32)
+    assert scale.dtype == np.float16
+    codes, d = _q4_0_by_loops(w)
+    np.testing.assert_array_equal(numpy_ref.unpack_int4(packed), codes)
+    np.testing.assert_array_equal(scale, d.astype(np.float16))
+    assert np.all(codes[0, :32] == 8) and codes[-1, -5] == 0
+    deq = numpy_ref.dequantize_q4(packed, scale)
+    s = np.repeat(scale.astype(np.float32), 32, axis=1)
+    np.testing.assert_array_equal(deq, (numpy_ref.unpack_int4(packed) - 8.0) * s)
+
+
 @pytest.mark.parametrize(("n", "k"), [(7, 96), (4, 32)])
 def test_q8_matches_loops(n, k):
     w = RNG.standard_normal((n, k)).astype(np.float32)
@@ -143,7 +180,9 @@ def test_q8_zero_group():
     assert np.all(codes == 0) and np.all(scale == 0)
 
 
-@pytest.mark.parametrize("quantize", [numpy_ref.quantize_q4, numpy_ref.quantize_q8])
+@pytest.mark.parametrize(
+    "quantize", [numpy_ref.quantize_q4, numpy_ref.quantize_q4_sym, numpy_ref.quantize_q8]
+)
 def test_k_not_a_multiple_of_the_group_names_tensor_and_dim(quantize):
     with pytest.raises(MlcrunError, match=r"'layers.0.down.weight'.*dimension 1 \(K = 100\)"):
         quantize(np.zeros((7, 100), np.float32), "layers.0.down.weight")
@@ -166,7 +205,9 @@ def test_transform_matches_declared_params(preset):
         array = out[f"layer.proj.{suffix}"]
         assert array.shape == shape and str(array.dtype) == dtype
         assert float_param_name(f"layer.proj.{suffix}") == "layer.proj.weight"
-    tol = {"f16": 1e-3, "bf16": 1e-2, "q8": 0.02, "q4": 0.35}[p.kind]
+    # q4: half a step of up to 3.3 / 7.5; the symmetric q4's step is amax / 8, and the side
+    # opposite the extreme value clips at 7 steps: up to a whole step
+    tol = {"f16": 1e-3, "bf16": 1e-2, "q8": 0.02, "q4": 0.45 if p.symmetric else 0.35}[p.kind]
     np.testing.assert_allclose(dequantize_params(p, out), w, atol=tol)
 
 
@@ -240,6 +281,7 @@ def test_float_param_name_leaves_other_names_alone():
     [
         ("Q4_0", "q4f32_1"),
         ("Q4_0", "q4f16_1"),
+        ("Q4_0", "q4f16_0"),
         ("Q4_1", "q4f32_1"),
         ("Q4_1", "q4f16_1"),
         ("Q8_0", "q8f32"),
@@ -280,6 +322,24 @@ def test_gguf_blocks_refused_where_not_exact():
     q4 = quantize(w, GGMLQuantizationType.Q4_1)
     assert exact_params(get_preset("q8f32"), "Q4_1", q4) is None
     assert exact_params(get_preset("q0f32"), "Q4_1", q4) is None
+    assert exact_params(get_preset("q4f16_0"), "Q4_1", q4) is None  # no room for Q4_1's min
+
+
+def test_q4_sym_quantizer_writes_llama_cpps_q4_0_blocks():
+    """A float weight quantized to q4f16_0 holds the very blocks gguf's (llama.cpp's)
+    Q4_0 quantizer writes for it."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from mlcrun.quant.gguf_blocks import exact_params
+
+    w = RNG.normal(0, 0.05, (33, 256)).astype(np.float32)
+    w[1, :32] = 0.0
+    p = get_preset("q4f16_0")
+    ours = weight_transform(p, "x.weight", w)
+    blocks = exact_params(p, "Q4_0", quantize(w, GGMLQuantizationType.Q4_0))
+    for suffix, array in blocks.items():
+        np.testing.assert_array_equal(ours[f"x.{suffix}"], array, suffix)
 
 
 def test_auto_picks_the_preset_of_the_dominant_storage_type():

@@ -10,13 +10,15 @@ replaces each function's body with a kernel written here:
   nibbles come in), the scale amax / 127 and the exact code sum. Bit for bit
   numpy_ref.quantize_activations. Rows run in parallel from PARALLEL_ROWS rows on; a decode
   step's few rows stay on the calling thread (no thread-pool launch).
-* `matmul_q4` / `matmul_q8` (+ whatever FuseOps fused after them: bias, residual add, ...):
-  the weights are in panels of 16 output rows (numpy_ref.tile_rows), so each `vpdpbusd`
-  multiplies 64 weight bytes -- 4 K-elements of 16 outputs, the unsigned operand (q4 codes
-  0..15 after an AND or a shift of their word; q8 codes + 128) -- with 4 activation codes
-  broadcast to the 16 lanes (the signed operand), adding into 16 int32 output lanes. Per group
-  of 32 the int32 sums become float once: y += dot * (w_scale * a_scale) (+ w_min * a_scale *
-  a_sum for q4); q8's +128 is undone exactly by starting the int32 sum at -128 * a_sum.
+* `matmul_q4` / `matmul_q4_sym` / `matmul_q8` (+ whatever FuseOps fused after them: bias,
+  residual add, ...): the weights are in panels of 16 output rows (numpy_ref.tile_rows), so
+  each `vpdpbusd` multiplies 64 weight bytes -- 4 K-elements of 16 outputs, the unsigned
+  operand (q4 codes 0..15 after an AND or a shift of their word; q8 codes + 128) -- with 4
+  activation codes broadcast to the 16 lanes (the signed operand), adding into 16 int32
+  output lanes. Per group of 32 the int32 sums become float once: y += dot * (w_scale *
+  a_scale) (+ w_min * a_scale * a_sum for q4 with mins); q8's +128 and the symmetric q4's
+  (q4f16_0) -8 are undone exactly by starting the int32 sum at -128 * a_sum or -8 * a_sum
+  (`_Operands.zero`).
   A micro-kernel holds MR rows x NP panels of accumulators (MR * NP * 2 zmm registers) and
   unpacks each weight vector once for its MR rows; the parallel loop runs over tiles of NP
   panels, each streaming all rows (M = 1 decode, small-M batches and prefill alike: the tile's
@@ -173,21 +175,23 @@ class _Operands:
     asum: object  # [..., K/32] int32
     weight: object  # q4: [N, K/8] uint32 words; q8: [N, K] uint8 (codes + 128), in panels
     wscale: object  # [K/32, N]
-    wmin: object | None  # [K/32, N] (q4)
+    wmin: object | None  # [K/32, N] (q4 with mins)
+    zero: int  # the weight code of zero: q8 128 (codes + 128), symmetric q4 8, q4 with mins 0
     n: int
     k: int
 
 
-def _operands(func: tirx.PrimFunc, block_stmt, kind: str) -> _Operands | None:
+def _operands(func: tirx.PrimFunc, block_stmt, kind: str, symmetric: bool) -> _Operands | None:
     """The matmul's inputs, from its block's reads (the TE op reads codes, scale, weight,
     w_scale[, w_min] in that order) and the params (the code sums are not read by the TE
     body)."""
     reads = [r.source for r in block_stmt.reads]
-    want = 5 if kind == "q4" else 4
-    if len(reads) != want:
+    with_mins = kind == "q4" and not symmetric
+    if len(reads) != (5 if with_mins else 4):
         return None
     codes, ascale, weight, wscale = reads[:4]
-    wmin = reads[4] if kind == "q4" else None
+    wmin = reads[4] if with_mins else None
+    zero = 128 if kind == "q8" else numpy_ref.Q4_ZERO if symmetric else 0
     asum = [
         b
         for b in _buffers(func)
@@ -206,7 +210,7 @@ def _operands(func: tirx.PrimFunc, block_stmt, kind: str) -> _Operands | None:
         or _static(wscale.shape[0]) != k // GROUP
     ):
         return None
-    return _Operands(kind, codes, ascale, asum[0], weight, wscale, wmin, n, k)
+    return _Operands(kind, codes, ascale, asum[0], weight, wscale, wmin, zero, n, k)
 
 
 def _epilogue(sch: s_tir.Schedule, block, func: tirx.PrimFunc):
@@ -311,6 +315,13 @@ class _MatmulKernel:
         off = panel * (PANEL * self.cols) + (g * 8 + step) * (4 * PANEL) + half * 4 * lanes
         return (tirx.reinterpret(byte_t, self.wf[_ramp(off, 4 * lanes)]),)
 
+    def _dot_start(self, row):
+        """The int32 start of a group's dot product: -zero * (the activation codes' sum), so
+        the sum of codes * activations comes out as that of (codes - zero) * activations."""
+        if not self.ops.zero:
+            return tirx.const(0, "int32")
+        return self.us[row] * tirx.const(-self.ops.zero, "int32")
+
     def _act_offsets(self, g, step):
         if self.ops.kind == "q4":  # the word's even codes, then its odd ones
             return (g * GROUP + step * 8, g * GROUP + step * 8 + 4)
@@ -344,10 +355,7 @@ class _MatmulKernel:
         with T.serial(_c(0), _c(self.groups)) as g:
             for r in range(mr):
                 row = (m0 + r) * self.groups + g
-                if self.ops.kind == "q8":  # undo the +128 of the weight codes exactly
-                    init = _bcast(self.us[row] * tirx.const(-128, "int32"), lanes)
-                else:
-                    init = _bcast(tirx.const(0, "int32"), lanes)
+                init = _bcast(self._dot_start(row), lanes)
                 for j in range(npn):
                     for h in range(halves):
                         T.buffer_store(acc, init, [idx(r, j, h)])
@@ -404,8 +412,7 @@ class _MatmulKernel:
                 with T.serial(_c(0), _c(self.groups)) as g:
                     row = m * self.groups + g
                     dot = T.alloc_buffer((1,), "int32")
-                    start = self.us[row] * -128 if ops.kind == "q8" else tirx.const(0, "int32")
-                    T.buffer_store(dot, start, [_c(0)])
+                    T.buffer_store(dot, self._dot_start(row), [_c(0)])
                     with T.serial(_c(0), _c(self.steps)) as step:
                         total = dot[_c(0)]
                         if ops.kind == "q4":
@@ -457,10 +464,12 @@ class _MatmulKernel:
         return ib.get().body
 
 
-def _matmul_kernel(func: tirx.PrimFunc, kind: str, vnni_bits: int) -> tirx.PrimFunc | None:
+def _matmul_kernel(func: tirx.PrimFunc, name: str, vnni_bits: int) -> tirx.PrimFunc | None:
+    """`name`: "q4", "q4_sym" (no mins) or "q8"."""
     sch = s_tir.Schedule(func)
     (block,) = _annotated_blocks(sch)
-    ops = _operands(func, sch.get(block), kind)
+    kind, _, form = name.partition("_")
+    ops = _operands(func, sch.get(block), kind, form == "sym")
     if ops is None:
         return None
     found = _epilogue(sch, block, func)
