@@ -67,7 +67,8 @@ def compile_command(
             typer.echo(f"{p.name:<8} {p.bits_per_weight:5.2f} bits/weight  {p.description}")
         typer.echo(
             f"{'auto':<8} {'':5} {'':11}  the preset that stores the checkpoint's weights "
-            "exactly (GGUF Q4_0/Q4_1 -> q4, Q8_0 -> q8f32, F16 -> q0f16, BF16 -> q0bf16; default)"
+            "exactly (GGUF Q4_0 -> q4f16_0, Q4_1 -> q4f16_1, Q8_0 -> q8f32, F16 -> q0f16, BF16 -> "
+            "q0bf16; default)"
         )
         return
     if model is None or output is None:

@@ -31,7 +31,7 @@ _BLOCK = {
 
 # GGML type -> the preset `auto` stores it in, exactly (float types: float storage keeps them)
 EXACT_PRESET: dict[str, str] = {
-    "Q4_0": "q4f16_1",
+    "Q4_0": "q4f16_0",
     "Q4_1": "q4f16_1",
     "Q8_0": "q8f32",
     "F16": "q0f16",
@@ -74,12 +74,17 @@ def exact_params(preset: QuantPreset, ggml_type: str, data: np.ndarray) -> dict 
 def auto_preset(layer_types: dict[str, int], embedding_types: dict[str, int]) -> str:
     """`--quantization auto`: the preset holding the dominant storage type (by elements) of the
     linear layers' weights exactly, paired (`A+B`) with the one for the embedding table and
-    lm_head when they are stored differently. Tensors of any other type are converted."""
+    lm_head when they are stored differently. Tensors of any other type are converted. Q4_0
+    layers with some Q4_1 ones go to q4f16_1, which holds both exactly (q4f16_0 would
+    requantize the Q4_1 tensors)."""
 
     def exact(types: dict[str, int]) -> str | None:
         if not types:
             return None
-        return EXACT_PRESET.get(max(types, key=lambda t: types[t]), "q0f32")
+        dominant = max(types, key=lambda t: types[t])
+        if dominant == "Q4_0" and "Q4_1" in types:
+            dominant = "Q4_1"
+        return EXACT_PRESET.get(dominant, "q0f32")
 
     layers = exact(layer_types) or exact(embedding_types) or "q0f32"
     table = exact(embedding_types) or layers

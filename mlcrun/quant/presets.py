@@ -23,7 +23,7 @@ Formats (K: a Linear's input features / the embedding dim, groups of 32 along K)
   fp16 scale per group of 32, no min: w = (q - 8) * scale (4.5 bits per weight against
   q4f16_1's 5). The quantizer is llama.cpp's quantize_row_q4_0 (scale = the group's signed
   value of largest magnitude / -8, q = min(15, trunc(w / scale + 8.5))), so a float
-  checkpoint gets the blocks llama.cpp would write.
+  checkpoint gets the blocks llama.cpp would write. `auto` picks it for GGUF Q4_0 layers.
 * q8f32: int8 codes with one fp32 scale per group of 32: w = q * scale (symmetric, GGUF Q8_0).
 
 Activations (`mlcrun compile --activations`, quant/modules.py): `exact` keeps them in float32
@@ -42,7 +42,8 @@ too: in a 135M model with a 49k vocabulary they are a fifth of the weights read 
 
 A mixed name `A+B` stores the linear layers in A and the embedding table and lm_head in B, as
 llama.cpp's files often do (Q4_1 layers with a Q8_0 token_embd: `q4f16_1+q8f32`). `auto`
-(compiler/params.py) picks such a pair to keep a GGUF's blocks exact.
+(compiler/params.py) picks such a pair to keep a GGUF's blocks exact: a Q4_0 file with a Q8_0
+token_embd compiles to `q4f16_0+q8f32`.
 """
 
 from __future__ import annotations

@@ -20,16 +20,19 @@ from mlcrun.quant.gguf_blocks import EXACT_PRESET
 from mlcrun.runtime import Model
 
 AUTO_Q4 = EXACT_PRESET["Q4_1"]
+AUTO_Q4_0 = EXACT_PRESET["Q4_0"]  # the symmetric q4f16_0
 # (checkpoint, GGUF type, type of the embedding/lm_head, --quantization, the preset recorded)
 CASES = [("llama", q, None, "q0f32", "q0f32") for q in (Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1)]
 CASES += [  # auto keeps the stored blocks bit for bit: the same 1e-4 parity as float storage
     ("llama", Q.Q8_0, None, "auto", "q8f32"),
-    ("llama", Q.Q4_0, None, "auto", AUTO_Q4),
+    ("llama", Q.Q4_0, None, "auto", AUTO_Q4_0),
+    ("llama", Q.Q4_0, None, "q4f16_1", "q4f16_1"),  # min = -8 d: exact too
     ("llama", Q.Q4_1, None, "auto", AUTO_Q4),
     ("llama", Q.F16, None, "auto", "q0f16"),
     ("llama", Q.BF16, None, "auto", "q0bf16"),
     ("qwen2-tied", Q.Q4_1, Q.Q8_0, "auto", f"{AUTO_Q4}+q8f32"),  # like SmolLM2's GGUF
-    ("llama", Q.Q4_0, Q.F32, "auto", f"{AUTO_Q4}+q0f32"),
+    ("qwen2-tied", Q.Q4_0, Q.Q8_0, "auto", f"{AUTO_Q4_0}+q8f32"),  # like llama.cpp's Q4_0
+    ("llama", Q.Q4_0, Q.F32, "auto", f"{AUTO_Q4_0}+q0f32"),
 ]
 
 
@@ -89,12 +92,14 @@ def test_truncated_gguf_is_one_line_and_leaves_nothing(checkpoints, tmp_path):
 
 
 @pytest.mark.skipif(not int8_dot_bits(cpu_target()), reason="no AVX512-VNNI or AVX-VNNI")
-def test_int8_compile_keeps_the_gguf_blocks_in_its_layout(checkpoints, tmp_path):
-    """A SmolLM2-like GGUF (Q4_1 layers, Q8_0 table) compiled for int8 activations: its params
-    are the exact compile's values reordered for the int8 kernels (bit for bit once read back,
-    q/k/v and gate/up stacked before they are tiled) and its logits stay close to exact's
-    (measured: max |d| 0.027 for logits up to 2.5 on these init-0.1 weights)."""
-    gguf = write_gguf(checkpoints("qwen2-tied"), tmp_path / "m.gguf", Q.Q4_1, table_qtype=Q.Q8_0)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0], ids=lambda q: q.name)
+def test_int8_compile_keeps_the_gguf_blocks_in_its_layout(checkpoints, tmp_path, qtype):
+    """A SmolLM2-like GGUF (Q4_1 layers, Q8_0 table; or Q4_0 layers, as llama.cpp's Q4_0
+    files) compiled for int8 activations: its params are the exact compile's values reordered
+    for the int8 kernels (bit for bit once read back, q/k/v and gate/up stacked before they
+    are tiled) and its logits stay close to exact's (measured: max |d| 0.027 (Q4_1), 0.023
+    (Q4_0) for logits up to 2.5 on these init-0.1 weights)."""
+    gguf = write_gguf(checkpoints("qwen2-tied"), tmp_path / "m.gguf", qtype, table_qtype=Q.Q8_0)
     arts = {
         a: compile_model(str(gguf), tmp_path / a, CompileOptions(activations=a))
         for a in ("exact", "int8")

@@ -347,8 +347,13 @@ def test_auto_picks_the_preset_of_the_dominant_storage_type():
 
     assert auto_preset({"Q4_1": 100, "Q8_0": 3, "F32": 1}, {"Q4_1": 30}) == "q4f16_1"
     assert auto_preset({"Q4_1": 100}, {"Q8_0": 30}) == "q4f16_1+q8f32"  # SmolLM2's GGUF
-    assert auto_preset({"Q4_0": 10}, {"F32": 5}) == "q4f16_1+q0f32"
+    assert auto_preset({"Q4_0": 10}, {"F32": 5}) == "q4f16_0+q0f32"
+    assert auto_preset({"Q4_0": 100}, {"Q8_0": 30}) == "q4f16_0+q8f32"  # llama.cpp's Q4_0
+    assert auto_preset({"Q4_0": 100}, {"Q4_0": 30}) == "q4f16_0"
+    assert auto_preset({"Q4_0": 100, "Q4_1": 3}, {"Q8_0": 30}) == "q4f16_1+q8f32"  # both exact
+    assert auto_preset({"Q4_0": 100}, {"Q4_1": 30}) == "q4f16_0+q4f16_1"
     assert auto_preset({"Q8_0": 100, "Q4_0": 3}, {}) == "q8f32"
+    assert auto_preset({"Q8_0": 100, "Q4_0": 3, "Q4_1": 2}, {}) == "q8f32"
     assert auto_preset({"F16": 5}, {"F16": 5}) == "q0f16"
     assert auto_preset({"BF16": 5}, {"BF16": 5}) == "q0bf16"
     assert auto_preset({"BF16": 5}, {"F32": 5}) == "q0bf16+q0f32"
