@@ -37,12 +37,22 @@ from tvm.script.ir_builder import tirx as T
 
 from ...quant import numpy_ref
 from ...quant.modules import BF16_ATTR
-from .int8 import _bcast, _buffers, _c, _epilogue, _flat, _ramp, _rows, _static, _with_body
+from .int8 import (
+    PanelLoops,
+    _bcast,
+    _buffers,
+    _c,
+    _epilogue,
+    _flat,
+    _ramp,
+    _rows,
+    _static,
+    _with_body,
+)
 
 LOG = logging.getLogger(__name__)
 
 PANEL = numpy_ref.PANEL  # output rows per weight panel = float32 lanes of a 512-bit vdpbf16ps
-MR = 4  # rows per micro-kernel
 NP_CHOICES = (4, 3, 2)  # panels per tile: the widest leaving >= MIN_TILES parallel tiles
 MIN_TILES = 16
 PARALLEL_ROWS = 32  # the round kernel runs rows in parallel from this many rows on
@@ -117,7 +127,7 @@ def _round_kernel(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
 
 
 # ----------------------------------------------------------------- matmul kernel
-class _MatmulKernel:
+class _MatmulKernel(PanelLoops):
     """Emits the matmul kernel's body with the IR builder (see the module docstring)."""
 
     def __init__(self, acts, weight, out, epilogue) -> None:
@@ -168,15 +178,6 @@ class _MatmulKernel:
                     value = self.epilogue(accs[r][j][lane], lead, col + lane)
                     T.buffer_store(self.out, value, [*lead, col + lane])
 
-    def row_tiles(self, rows, p0, npn: int) -> None:
-        """All rows against panels p0 .. p0+npn-1: MR at a time, then the remainder."""
-        with T.serial(_c(0), rows // MR) as mo:
-            self.micro(mo * MR, MR, p0, npn)
-        for rem in range(1, MR):
-            with T.If(rows % MR == rem):
-                with T.Then():
-                    self.micro(rows - rem, rem, p0, npn)
-
     def tail_outputs(self, rows) -> None:
         """The last N % 16 outputs (a panel of `tail` rows, [K/2, tail, 2]), in scalar code
         with vdpbf16ps's order: per pair the odd product, then the even one."""
@@ -206,14 +207,7 @@ class _MatmulKernel:
             with T.prim_func():
                 self.af, self.wf = _flat(self.acts), _flat(self.weight)
                 with _with_wrappers():
-                    tiles = self.panels // self.np
-                    if tiles:
-                        with T.parallel(_c(0), _c(tiles)) as t:
-                            self.row_tiles(rows, t * self.np, self.np)
-                    for p in range(tiles * self.np, self.panels):
-                        self.row_tiles(rows, _c(p), 1)
-                    if self.tail:
-                        self.tail_outputs(rows)
+                    self.panel_loops(rows)
         return ib.get().body
 
 

@@ -277,7 +277,40 @@ def _epilogue(sch: s_tir.Schedule, block, func: tirx.PrimFunc):
     return out, apply
 
 
-class _MatmulKernel:
+class PanelLoops:
+    """The loop nest of a panel kernel (int8 here, bf16.py): tiles of `np` panels of 16
+    outputs in parallel, each streaming every row through `micro` MR rows at a time; the
+    panels left over one at a time; then the last N % 16 outputs (`tail_outputs`)."""
+
+    panels: int  # whole panels of N
+    np: int  # panels per parallel tile
+    tail: int  # N % 16
+
+    def micro(self, m0, mr: int, p0, npn: int) -> None: ...
+
+    def tail_outputs(self, rows) -> None: ...
+
+    def row_tiles(self, rows, p0, npn: int) -> None:
+        """All rows against panels p0 .. p0+npn-1: MR at a time, then the remainder."""
+        with T.serial(_c(0), rows // MR) as mo:
+            self.micro(mo * MR, MR, p0, npn)
+        for rem in range(1, MR):
+            with T.If(rows % MR == rem):
+                with T.Then():
+                    self.micro(rows - rem, rem, p0, npn)
+
+    def panel_loops(self, rows) -> None:
+        tiles = self.panels // self.np
+        if tiles:
+            with T.parallel(_c(0), _c(tiles)) as t:
+                self.row_tiles(rows, t * self.np, self.np)
+        for p in range(tiles * self.np, self.panels):  # fewer than np panels left
+            self.row_tiles(rows, _c(p), 1)
+        if self.tail:
+            self.tail_outputs(rows)
+
+
+class _MatmulKernel(PanelLoops):
     """Emits the matmul kernel's body with the IR builder (see the module docstring)."""
 
     def __init__(self, ops: _Operands, out, epilogue, vnni_bits: int) -> None:
@@ -392,15 +425,6 @@ class _MatmulKernel:
                 base = (r * npn + j) * PANEL
                 self._store(m0 + r, (p0 + j) * PANEL, lambda lane, base=base: f[_c(base) + lane])
 
-    def row_tiles(self, rows, p0, npn: int) -> None:
-        """All rows against panels p0 .. p0+npn-1: MR at a time, then the remainder."""
-        with T.serial(_c(0), rows // MR) as mo:
-            self.micro(mo * MR, MR, p0, npn)
-        for rem in range(1, MR):
-            with T.If(rows % MR == rem):
-                with T.Then():
-                    self.micro(rows - rem, rem, p0, npn)
-
     def tail_outputs(self, rows) -> None:
         """The last N % 16 outputs (a panel of `tail` lanes), in scalar code."""
         ops, width = self.ops, self.tail
@@ -453,14 +477,7 @@ class _MatmulKernel:
                 self.ds, self.us = _flat(ops.ascale), _flat(ops.asum)
                 self.wf, self.sf = _flat(ops.weight), _flat(ops.wscale)
                 self.mf = _flat(ops.wmin) if ops.wmin is not None else None
-                tiles, left = divmod(self.panels, self.np)
-                if tiles:
-                    with T.parallel(_c(0), _c(tiles)) as t:
-                        self.row_tiles(rows, t * self.np, self.np)
-                for p in range(tiles * self.np, self.panels):  # left < np panels
-                    self.row_tiles(rows, _c(p), 1)
-                if self.tail:
-                    self.tail_outputs(rows)
+                self.panel_loops(rows)
         return ib.get().body
 
 
