@@ -27,15 +27,28 @@ loaded as stored (float32 or float16) and widened. Two shapes of work:
   the parallel loop on the calling thread, relative to the largest max (a second parallel
   loop would add a fork and join to every layer). Larger batches, and sequences of one chunk,
   write their rows directly. Software prefetch of the next page was tried and did not help.
-* Row tiles (prefill over the chunk itself or over cached pages, and both tree kernels): a
-  task is a tile of 16 query rows that read the same keys (consecutive (token, head) rows of
-  one sequence and one KV head: with GQA a tile spans a few tokens times the group's heads),
-  one row per vector lane. Per 16 keys: qk = a 16-key x 16-row block of multiply-adds with the
-  key element broadcast (no horizontal sums), the online softmax on whole vectors, then the
-  16 x head_dim output block updated in 4-dimension strips. Every K/V element loaded serves 16
-  rows. Masks (causal, token tree, the ragged end of a page) are a compare and a select per key
-  and row; a chunk past the end of a sequence is copied into a zero-filled buffer first (as is
-  every float16 chunk, widened once), so no row ever multiplies an unused page slot.
+* Few new tokens over cached pages (`prefill_paged_attention` for a sequence of at most
+  SHORT_ROWS // G new tokens: a speculative verify of K tokens, a short chunk): every new row
+  sees every cached key (with `causal`, the cache's keys up to the row's own position: a
+  per-token count of visible slots, masked by lane like a page's end; a window never reaches
+  these kernels, see kv_kernels), so this is a decode with q_n x G rows per KV head. Tasks,
+  split and merge are decode's; per page and KV head, the page steps run for each token (the
+  token loop unrolled to SHORT_ROWS // G under a guard: a runtime row offset cost 40% in
+  address arithmetic). Each page is read once for all the rows, front to back, where the tiles
+  read it once per tile and KV head at the page's stride: at depth 1024 on one thread, 2 new
+  tokens of SmolLM2 (9/3 heads) take 0.55x the tiles' time, 4 tokens 0.77x, 8 tokens 0.90x.
+  Past 24 rows per KV head the tiles' 16-row blocks win (28 and 32 rows: 1.0x and 0.87x).
+  Longer chunks take tiles; both kinds of task share one parallel loop, the short ones first.
+* Row tiles (prefill over the chunk itself or of a long chunk over cached pages, and both tree
+  kernels): a task is a tile of 16 query rows that read the same keys (consecutive (token,
+  head) rows of one sequence and one KV head: with GQA a tile spans a few tokens times the
+  group's heads), one row per vector lane. Per 16 keys: qk = a 16-key x 16-row block of
+  multiply-adds with the key element broadcast (no horizontal sums), the online softmax on
+  whole vectors, then the 16 x head_dim output block updated in 4-dimension strips. Every K/V
+  element loaded serves 16 rows. Masks (causal, token tree, the ragged end of a page) are a
+  compare and a select per key and row; a chunk past the end of a sequence is copied into a
+  zero-filled buffer first (as is every float16 chunk, widened once), so no row ever
+  multiplies an unused page slot.
 
 Token trees (`tree_ragged_attention`, `tree_paged_attention`): a node sees key j when j is
 before the tree (cached history) or j is the node itself or one of its ancestors; the cache
@@ -107,6 +120,9 @@ _STAGES = {step: _shuffle_indices(step) for step in (8, 4, 2, 1)}
 
 SPLIT_TASKS = 16  # decode splits sequences into page chunks when the batch has fewer sequences
 MIN_SPLIT_PAGES = 4  # pages per split chunk: at least 4 (64 keys)
+# Paged prefill: a sequence of at most SHORT_ROWS // G new tokens (rows per KV head) takes the
+# decode structure, a longer one 16-row tiles (measured crossover: 24 rows win, 28 and 32 lose).
+SHORT_ROWS = 24
 
 
 @T.macro
@@ -128,6 +144,77 @@ def _max_stage(hx, rotation):
     )
 
 
+def _page_macros(G: int, D: int):
+    """The decode structure's per-page steps for the G query rows of one KV head, rows
+    row0 + hk * G + g of the task's buffers (qv/acc: row * D + d; p/den: [row, lane]; m: [row])."""
+    first, second = {}, {}
+    for step in (8, 4, 2, 1):
+        first[step], second[step] = _STAGES[step]
+    rotate = {step: [(j + step) % LANES for j in range(LANES)] for step in (8, 4, 2, 1)}
+
+    @T.macro
+    def scores(qv, acc, sc, ra, rb, hx, p, m, den, pages, page, hk, row0, cnt):
+        """Scores and softmax update of the first `cnt` keys of `page` for the group of KV
+        head hk: per key a 16-lane partial product over the dimensions, the 16 vectors summed
+        lane-wise by a shuffle tree (lane j: key j), the page's max by a rotation tree."""
+        for g in T.unroll(G):
+            for cc in T.unroll(KEYS):
+                for j in T.vectorized(LANES):
+                    sc[cc, j] = qv[(row0 + hk * G + g) * D + j] * pages[page, 0, hk, cc, j].astype(
+                        "float32"
+                    )
+                for d0 in T.unroll(D // LANES - 1):
+                    for j in T.vectorized(LANES):
+                        sc[cc, j] = sc[cc, j] + qv[
+                            (row0 + hk * G + g) * D + (d0 + 1) * LANES + j
+                        ] * pages[page, 0, hk, cc, (d0 + 1) * LANES + j].astype("float32")
+            _reduce_stage(ra, sc, 8, first[8], second[8])
+            _reduce_stage(rb, ra, 4, first[4], second[4])
+            _reduce_stage(ra, rb, 2, first[2], second[2])
+            _reduce_stage(hx, ra, 1, first[1], second[1])
+            # Slots past `cnt` (stale, or NaN) are masked.
+            for j in T.vectorized(LANES):
+                p[row0 + hk * G + g, j] = T.Select(j < cnt, hx[0, j], T.float32(MASKED))
+                hx[0, j] = p[row0 + hk * G + g, j]
+            _max_stage(hx, rotate[8])
+            _max_stage(hx, rotate[4])
+            _max_stage(hx, rotate[2])
+            _max_stage(hx, rotate[1])
+            hx[1, 0] = T.max(m[row0 + hk * G + g], hx[0, 0])  # the new running max
+            hx[1, 1] = exp2_nonpositive(m[row0 + hk * G + g] - hx[1, 0])  # rescales earlier pages
+            m[row0 + hk * G + g] = hx[1, 0]
+            for j in T.vectorized(LANES):
+                p[row0 + hk * G + g, j] = T.Select(
+                    j < cnt, exp2_nonpositive(p[row0 + hk * G + g, j] - hx[1, 0]), T.float32(0)
+                )
+                den[row0 + hk * G + g, j] = (
+                    den[row0 + hk * G + g, j] * hx[1, 1] + p[row0 + hk * G + g, j]
+                )
+            for d in T.vectorized(D):
+                acc[(row0 + hk * G + g) * D + d] = acc[(row0 + hk * G + g) * D + d] * hx[1, 1]
+
+    @T.macro
+    def values(acc, p, pages, page, hk, row0, cnt):
+        """acc += p V over the page's first `cnt` keys, each V row loaded once for the group
+        (a partial page stops at `cnt`: its unused slots may hold NaN, and 0 * NaN is NaN)."""
+        if cnt == KEYS:
+            for cc in T.unroll(KEYS):
+                for g in T.unroll(G):
+                    for d in T.vectorized(D):
+                        acc[(row0 + hk * G + g) * D + d] = acc[(row0 + hk * G + g) * D + d] + p[
+                            row0 + hk * G + g, cc
+                        ] * pages[page, 1, hk, cc, d].astype("float32")
+        else:
+            for cc in T.serial(cnt):
+                for g in T.unroll(G):
+                    for d in T.vectorized(D):
+                        acc[(row0 + hk * G + g) * D + d] = acc[(row0 + hk * G + g) * D + d] + p[
+                            row0 + hk * G + g, cc
+                        ] * pages[page, 1, hk, cc, d].astype("float32")
+
+    return scores, values
+
+
 def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
     """One query token per sequence over its paged K/V (no sliding window; RoPE already
     applied, so rotary_mode must be 0). A task is a run of consecutive pages of one sequence
@@ -137,68 +224,7 @@ def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype:
     # Split bounds: B < SPLIT_TASKS and chunk_pages >= pages / SPLIT_TASKS, so fewer than
     # B + SPLIT_TASKS < 2 * SPLIT_TASKS chunks.
     MAX_CHUNKS = 2 * SPLIT_TASKS
-    first, second = {}, {}
-    for step in (8, 4, 2, 1):
-        first[step], second[step] = _STAGES[step]
-    rotate = {step: [(j + step) % LANES for j in range(LANES)] for step in (8, 4, 2, 1)}
-
-    @T.macro
-    def scores(qv, acc, sc, ra, rb, hx, p, m, den, pages, page, hk, cnt):
-        """Scores and softmax update of the first `cnt` keys of `page` for the group of KV
-        head hk: per key a 16-lane partial product over the dimensions, the 16 vectors summed
-        lane-wise by a shuffle tree (lane j: key j), the page's max by a rotation tree."""
-        for g in T.unroll(G):
-            for cc in T.unroll(KEYS):
-                for j in T.vectorized(LANES):
-                    sc[cc, j] = qv[(hk * G + g) * D + j] * pages[page, 0, hk, cc, j].astype(
-                        "float32"
-                    )
-                for d0 in T.unroll(D // LANES - 1):
-                    for j in T.vectorized(LANES):
-                        sc[cc, j] = sc[cc, j] + qv[(hk * G + g) * D + (d0 + 1) * LANES + j] * pages[
-                            page, 0, hk, cc, (d0 + 1) * LANES + j
-                        ].astype("float32")
-            _reduce_stage(ra, sc, 8, first[8], second[8])
-            _reduce_stage(rb, ra, 4, first[4], second[4])
-            _reduce_stage(ra, rb, 2, first[2], second[2])
-            _reduce_stage(hx, ra, 1, first[1], second[1])
-            # Slots past `cnt` (stale, or NaN) are masked.
-            for j in T.vectorized(LANES):
-                p[hk * G + g, j] = T.Select(j < cnt, hx[0, j], T.float32(MASKED))
-                hx[0, j] = p[hk * G + g, j]
-            _max_stage(hx, rotate[8])
-            _max_stage(hx, rotate[4])
-            _max_stage(hx, rotate[2])
-            _max_stage(hx, rotate[1])
-            hx[1, 0] = T.max(m[hk * G + g], hx[0, 0])  # the new running max
-            hx[1, 1] = exp2_nonpositive(m[hk * G + g] - hx[1, 0])  # rescales earlier pages
-            m[hk * G + g] = hx[1, 0]
-            for j in T.vectorized(LANES):
-                p[hk * G + g, j] = T.Select(
-                    j < cnt, exp2_nonpositive(p[hk * G + g, j] - hx[1, 0]), T.float32(0)
-                )
-                den[hk * G + g, j] = den[hk * G + g, j] * hx[1, 1] + p[hk * G + g, j]
-            for d in T.vectorized(D):
-                acc[(hk * G + g) * D + d] = acc[(hk * G + g) * D + d] * hx[1, 1]
-
-    @T.macro
-    def values(acc, p, pages, page, hk, cnt):
-        """acc += p V over the page's first `cnt` keys, each V row loaded once for the group
-        (a partial page stops at `cnt`: its unused slots may hold NaN, and 0 * NaN is NaN)."""
-        if cnt == KEYS:
-            for cc in T.unroll(KEYS):
-                for g in T.unroll(G):
-                    for d in T.vectorized(D):
-                        acc[(hk * G + g) * D + d] = acc[(hk * G + g) * D + d] + p[
-                            hk * G + g, cc
-                        ] * pages[page, 1, hk, cc, d].astype("float32")
-        else:
-            for cc in T.serial(cnt):
-                for g in T.unroll(G):
-                    for d in T.vectorized(D):
-                        acc[(hk * G + g) * D + d] = acc[(hk * G + g) * D + d] + p[
-                            hk * G + g, cc
-                        ] * pages[page, 1, hk, cc, d].astype("float32")
+    scores, values = _page_macros(G, D)
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv(
@@ -322,6 +348,7 @@ def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype:
                             pages,
                             page_table_values[begin + pg],
                             hk,
+                            0,
                             T.min(PAGE, n - pg * PAGE),
                         )
                     for hk in T.serial(H_kv):
@@ -331,6 +358,7 @@ def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype:
                             pages,
                             page_table_values[begin + pg],
                             hk,
+                            0,
                             T.min(PAGE, n - pg * PAGE),
                         )
                 for h in T.serial(H_qo):
@@ -562,14 +590,14 @@ def _row_tile(D: int, G: int, dtype: str):
 
 
 @T.macro
-def _find_tile(where, q_indptr, batch_size, tile_index, G):
+def _find_tile(where, q_indptr, batch_size, tile_index, G, min_tokens):
     """where[0], where[1] = the sequence and its tile number of global tile `tile_index`
-    (tiles numbered sequence after sequence, ceil(rows / 16) each); where[0] = -1 past the
-    last one."""
+    (tiles numbered sequence after sequence, ceil(rows / 16) each; none for a sequence of
+    fewer than `min_tokens` new tokens); where[0] = -1 past the last one."""
     where[0] = -1
     where[2] = 0
     for i in T.serial(batch_size):
-        if where[0] < 0:
+        if where[0] < 0 and q_indptr[i + 1] - q_indptr[i] >= min_tokens:
             if tile_index < where[2] + ((q_indptr[i + 1] - q_indptr[i]) * G + LANES - 1) // LANES:
                 where[0] = i
                 where[1] = tile_index - where[2]
@@ -674,6 +702,7 @@ def prefill_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
                     batch_size,
                     _balanced(task // H_kv, _tile_count(qo_len, batch_size, G)),
                     G,
+                    0,
                 )
                 if where[0] >= 0:
                     b: T.let[T.int32] = where[0]
@@ -706,12 +735,20 @@ def prefill_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
     return batch_prefill_ragged_kv
 
 
-def prefill_paged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
+def prefill_paged_attention(
+    num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, short_rows: int = SHORT_ROWS
+):
     """A chunk of new tokens per sequence attends to the sequence's cached (paged) K/V (no
-    sliding window; RoPE already applied); tiles of 16 rows."""
+    sliding window; RoPE already applied). A sequence of few new tokens (at most
+    short_rows // G: a verify step) takes the decode structure with all its rows (runs of
+    pages for every KV head, split and merged when the batch is small); longer chunks take
+    tiles of 16 rows. Both kinds of task share one parallel loop, the short ones first."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     G = H_qo // H_kv
     tile = _row_tile(D, G, dtype)
+    scores, values = _page_macros(G, D)
+    QMAX = max(1, short_rows // G)  # new tokens of a short sequence, at most
+    MAX_CHUNKS = 2 * SPLIT_TASKS  # as in decode
 
     @T.prim_func(s_tir=True)
     def batch_prefill_paged_kv_cpu(
@@ -769,49 +806,202 @@ def prefill_paged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
         )
         assert rotary_mode == 0, "mlcrun's prefill attention expects RoPE already applied"
 
-        for task in T.parallel(_tile_count(total_len, batch_size, G) * H_kv):
+        # Short sequences: tasks 0 .. counts[0]-1, one per sequence (a long one's does
+        # nothing) or, in a batch under SPLIT_TASKS sequences, one per chunk of pages of a
+        # short sequence (chunk_start/chunk_seq as in decode). Long ones: counts[1] tiles
+        # times H_kv tasks after them.
+        chunk_start = T.alloc_buffer((SPLIT_TASKS + 1,), "int32")
+        chunk_seq = T.alloc_buffer((MAX_CHUNKS,), "int32")
+        part_acc = T.alloc_buffer((MAX_CHUNKS, QMAX * H_qo, D), "float32")
+        part_m = T.alloc_buffer((MAX_CHUNKS, QMAX * H_qo), "float32")
+        part_den = T.alloc_buffer((MAX_CHUNKS, QMAX * H_qo), "float32")
+        counts = T.alloc_buffer((2,), "int32")
+        split: T.let[T.bool] = batch_size < SPLIT_TASKS
+        chunk_pages: T.let[T.int32] = T.if_then_else(
+            split,
+            T.max(
+                MIN_SPLIT_PAGES, T.ceildiv(page_indptr[batch_size] - page_indptr[0], SPLIT_TASKS)
+            ),
+            1 << 30,
+        )
+        counts[0] = batch_size
+        counts[1] = 0
+        for b in T.serial(batch_size):
+            if q_indptr[b + 1] - q_indptr[b] > QMAX:
+                counts[1] = counts[1] + ((q_indptr[b + 1] - q_indptr[b]) * G + LANES - 1) // LANES
+        if split:
+            chunk_start[0] = 0
+            for b in T.serial(batch_size):
+                chunk_start[b + 1] = chunk_start[b]
+                if q_indptr[b + 1] - q_indptr[b] <= QMAX:
+                    chunk_start[b + 1] = chunk_start[b] + T.max(
+                        1, T.ceildiv(page_indptr[b + 1] - page_indptr[b], chunk_pages)
+                    )
+                for c in T.serial(chunk_start[b + 1] - chunk_start[b]):
+                    chunk_seq[chunk_start[b] + c] = b
+            counts[0] = chunk_start[batch_size]
+
+        for task in T.parallel(counts[0] + counts[1] * H_kv):
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
-                where = T.sblock_alloc_buffer((3,), "int32")
-                _find_tile(
-                    where,
-                    q_indptr,
-                    batch_size,
-                    _balanced(task // H_kv, _tile_count(total_len, batch_size, G)),
-                    G,
-                )
-                if where[0] >= 0:
-                    b: T.let[T.int32] = where[0]
-                    t: T.let[T.int32] = where[1]
-                    hk: T.let[T.int32] = task % H_kv
+                if task < counts[0]:
+                    b: T.let[T.int32] = T.if_then_else(split, chunk_seq[task], task)
                     q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-                    page_begin: T.let[T.int32] = page_indptr[b]
-                    kv_n: T.let[T.int32] = T.if_then_else(
-                        page_indptr[b + 1] > page_begin,
-                        (page_indptr[b + 1] - page_begin - 1) * PAGE + last_page_len[b],
-                        0,
+                    if q_n <= QMAX:
+                        qv = T.sblock_alloc_buffer((QMAX * H_qo * D,), "float32")
+                        acc = T.sblock_alloc_buffer((QMAX * H_qo * D,), "float32")
+                        sc = T.sblock_alloc_buffer((KEYS, LANES), "float32")
+                        ra = T.sblock_alloc_buffer((8, LANES), "float32")
+                        rb = T.sblock_alloc_buffer((4, LANES), "float32")
+                        hx = T.sblock_alloc_buffer((2, LANES), "float32")
+                        p = T.sblock_alloc_buffer((QMAX * H_qo, LANES), "float32")
+                        den = T.sblock_alloc_buffer((QMAX * H_qo, LANES), "float32")
+                        m = T.sblock_alloc_buffer((QMAX * H_qo,), "float32")
+                        c: T.let[T.int32] = T.if_then_else(split, task - chunk_start[b], 0)
+                        whole: T.let[T.bool] = T.if_then_else(
+                            split, chunk_start[b + 1] - chunk_start[b] == 1, True
+                        )
+                        q_begin: T.let[T.int32] = q_indptr[b]
+                        begin: T.let[T.int32] = page_indptr[b]
+                        num_pages: T.let[T.int32] = page_indptr[b + 1] - begin
+                        n: T.let[T.int32] = T.if_then_else(
+                            num_pages > 0, (num_pages - 1) * PAGE + last_page_len[b], 0
+                        )
+                        first_page: T.let[T.int32] = c * chunk_pages
+                        end_page: T.let[T.int32] = T.min(num_pages, first_page + chunk_pages)
+                        for r in T.serial(q_n * H_qo):
+                            for d in T.vectorized(D):
+                                qv[r * D + d] = q[q_begin + r // H_qo, r % H_qo, d].astype(
+                                    "float32"
+                                ) * (sm_scale * LOG2E)
+                                acc[r * D + d] = T.float32(0)
+                            for j in T.vectorized(LANES):
+                                den[r, j] = T.float32(0)
+                            m[r] = T.float32(EMPTY)
+                        for pg in T.serial(first_page, end_page):
+                            for hk in T.serial(H_kv):
+                                for tok in T.unroll(QMAX):
+                                    if tok < q_n:
+                                        scores(
+                                            qv,
+                                            acc,
+                                            sc,
+                                            ra,
+                                            rb,
+                                            hx,
+                                            p,
+                                            m,
+                                            den,
+                                            pages,
+                                            page_values[begin + pg],
+                                            hk,
+                                            tok * H_qo,
+                                            T.min(
+                                                PAGE, _causal_lim(causal, n, q_n)(tok) - pg * PAGE
+                                            ),
+                                        )
+                            for hk in T.serial(H_kv):
+                                for tok in T.unroll(QMAX):
+                                    if tok < q_n:
+                                        values(
+                                            acc,
+                                            p,
+                                            pages,
+                                            page_values[begin + pg],
+                                            hk,
+                                            tok * H_qo,
+                                            T.min(PAGE, n - pg * PAGE),
+                                        )
+                        for r in T.serial(q_n * H_qo):
+                            hx[1, 0] = T.float32(0)
+                            for j in T.serial(LANES):
+                                hx[1, 0] = hx[1, 0] + den[r, j]
+                            if whole:
+                                for d in T.vectorized(D):
+                                    output[q_begin + r // H_qo, r % H_qo, d] = T.if_then_else(
+                                        hx[1, 0] > 0, acc[r * D + d] / hx[1, 0], T.float32(0)
+                                    ).astype(output.dtype)
+                                lse[q_begin + r // H_qo, r % H_qo] = T.if_then_else(
+                                    hx[1, 0] > 0, m[r] + T.log2(hx[1, 0]), T.float32(EMPTY)
+                                )
+                            else:
+                                for d in T.vectorized(D):
+                                    part_acc[task, r, d] = acc[r * D + d]
+                                part_m[task, r] = m[r]
+                                part_den[task, r] = hx[1, 0]
+                else:
+                    where = T.sblock_alloc_buffer((3,), "int32")
+                    _find_tile(
+                        where,
+                        q_indptr,
+                        batch_size,
+                        _balanced((task - counts[0]) // H_kv, counts[1]),
+                        G,
+                        QMAX + 1,
                     )
-                    tile(
-                        q,
-                        output,
-                        lse,
-                        sm_scale,
-                        q_indptr[b],
-                        q_n,
-                        t,
-                        hk,
-                        kv_n,
-                        _causal_lim(causal, kv_n, q_n)(
-                            (T.min(t * LANES + LANES, q_n * G) - 1) // G
-                        ),
-                        _causal_lim(causal, kv_n, q_n),
-                        _no_order,
-                        _lim_visible,
-                        pages,
-                        pages,
-                        lambda which, c, cc, d: (page_values[page_begin + c], which, hk, cc, d),
-                    )
+                    if where[0] >= 0:
+                        b: T.let[T.int32] = where[0]
+                        t: T.let[T.int32] = where[1]
+                        hk: T.let[T.int32] = (task - counts[0]) % H_kv
+                        q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                        page_begin: T.let[T.int32] = page_indptr[b]
+                        kv_n: T.let[T.int32] = T.if_then_else(
+                            page_indptr[b + 1] > page_begin,
+                            (page_indptr[b + 1] - page_begin - 1) * PAGE + last_page_len[b],
+                            0,
+                        )
+                        tile(
+                            q,
+                            output,
+                            lse,
+                            sm_scale,
+                            q_indptr[b],
+                            q_n,
+                            t,
+                            hk,
+                            kv_n,
+                            _causal_lim(causal, kv_n, q_n)(
+                                (T.min(t * LANES + LANES, q_n * G) - 1) // G
+                            ),
+                            _causal_lim(causal, kv_n, q_n),
+                            _no_order,
+                            _lim_visible,
+                            pages,
+                            pages,
+                            lambda which, c, cc, d: (page_values[page_begin + c], which, hk, cc, d),
+                        )
+
+        if split and counts[0] > 0:
+            # Merge the chunks of each split sequence on the calling thread, as decode does.
+            for b in T.serial(batch_size):
+                with T.sblock("merge"):
+                    T.reads()
+                    T.writes()
+                    macc = T.sblock_alloc_buffer((D,), "float32")
+                    w = T.sblock_alloc_buffer((3,), "float32")
+                    c0: T.let[T.int32] = chunk_start[b]
+                    nc: T.let[T.int32] = chunk_start[b + 1] - c0
+                    if nc > 1:
+                        for r in T.serial((q_indptr[b + 1] - q_indptr[b]) * H_qo):
+                            w[0] = T.float32(EMPTY)
+                            for c in T.serial(nc):
+                                w[0] = T.max(w[0], part_m[c0 + c, r])
+                            w[1] = T.float32(0)
+                            for d in T.vectorized(D):
+                                macc[d] = T.float32(0)
+                            for c in T.serial(nc):
+                                w[2] = exp2_nonpositive(part_m[c0 + c, r] - w[0])
+                                w[1] = w[1] + part_den[c0 + c, r] * w[2]
+                                for d in T.vectorized(D):
+                                    macc[d] = macc[d] + part_acc[c0 + c, r, d] * w[2]
+                            for d in T.vectorized(D):
+                                output[q_indptr[b] + r // H_qo, r % H_qo, d] = T.if_then_else(
+                                    w[1] > 0, macc[d] / w[1], T.float32(0)
+                                ).astype(output.dtype)
+                            lse[q_indptr[b] + r // H_qo, r % H_qo] = T.if_then_else(
+                                w[1] > 0, w[0] + T.log2(w[1]), T.float32(EMPTY)
+                            )
 
     return batch_prefill_paged_kv_cpu
 
@@ -881,6 +1071,7 @@ def tree_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
                     batch_size_plus_1 - 1,
                     _balanced(task // H_kv, _tile_count(qo_len, batch_size_plus_1 - 1, G)),
                     G,
+                    0,
                 )
                 if where[0] >= 0:
                     b: T.let[T.int32] = where[0]
@@ -1004,6 +1195,7 @@ def tree_paged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dt
                     batch_size,
                     _balanced(task // H_kv, _tile_count(total_len, batch_size, G)),
                     G,
+                    0,
                 )
                 if where[0] >= 0:
                     b: T.let[T.int32] = where[0]

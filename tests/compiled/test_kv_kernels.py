@@ -207,13 +207,10 @@ def test_prefill_ragged(shape, dtype, causal):
     _check(out, lse, (want_out, want_lse), dtype)
 
 
-@pytest.mark.parametrize("causal", [0, 1])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_prefill_paged(shape, dtype, causal):
+def _check_prefill_paged(shape, dtype, causal, kv_lens, q_lens):
+    """Paged prefill: q_lens new rows per sequence over its kv_lens cached keys (causal: the
+    rows are the sequence's last keys)."""
     h_qo, h_kv, d = shape
-    kv_lens = [40, 7, 0, 16, 70]
-    q_lens = [5, 7, 0, 3, 20]  # causal: the rows are the sequence's last keys
     pool, values, indptr, last, keys, vals = _pages(kv_lens, h_kv, d, dtype)
     n = sum(q_lens)
     q = RNG.standard_normal((n, h_qo, d)).astype(dtype)
@@ -248,6 +245,46 @@ def test_prefill_paged(shape, dtype, causal):
             visible = np.arange(kv)[None, :] <= (kv - m + np.arange(m))[:, None]
         want_out[rows], want_lse[rows] = _ref(q[rows], keys[b], vals[b], visible, scale)
     _check(out, lse, (want_out, want_lse), dtype)
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_paged(shape, dtype, causal):
+    _check_prefill_paged(shape, dtype, causal, [40, 7, 0, 16, 70], [5, 7, 0, 3, 20])
+
+
+# A sequence of at most A.SHORT_ROWS // G new tokens takes the decode structure (split into
+# page chunks in a batch under A.SPLIT_TASKS sequences), a longer one 16-row tiles.
+PAGED_LENS = {
+    "empty cache": ([0], [4]),
+    "one key": ([1], [2]),
+    "partial page": ([15], [8]),
+    "page and one": ([17], [9]),
+    "split": ([511], [4]),
+    "split, long chunk": ([511], [17]),
+    "mixed": ([511, 3, 0, 300, 64, 65, 200], [1, 17, 2, 8, 9, 4, 40]),
+    "many": ([700, *range(1, 2 * A.SPLIT_TASKS, 2)], [2] * (A.SPLIT_TASKS + 1)),
+}
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 4, 8, 9, 17])
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 2, 64), (9, 3, 64), (14, 2, 64)], ids=["G1", "G3", "G7"])
+def test_prefill_paged_short(shape, dtype, causal, q_len):
+    _check_prefill_paged(shape, dtype, causal, [256, 33], [q_len, q_len])
+
+
+@pytest.mark.parametrize("lens", PAGED_LENS.values(), ids=PAGED_LENS.keys())
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 2, 64), (9, 3, 64), (14, 2, 64)], ids=["G1", "G3", "G7"])
+def test_prefill_paged_lens(shape, dtype, causal, lens):
+    kv_lens, q_lens = lens
+    if causal:  # the rows are the last keys: at least as many keys as rows
+        kv_lens = [max(kv, q) for kv, q in zip(kv_lens, q_lens, strict=True)]
+    _check_prefill_paged(shape, dtype, causal, kv_lens, q_lens)
 
 
 TREES = [
