@@ -28,17 +28,21 @@ loaded as stored (float32 or float16) and widened. Two shapes of work:
   loop would add a fork and join to every layer). Larger batches, and sequences of one chunk,
   write their rows directly. Software prefetch of the next page was tried and did not help.
 * Few new tokens over cached pages (`prefill_paged_attention` for a sequence of at most
-  SHORT_ROWS // G new tokens: a speculative verify of K tokens, a short chunk): every new row
-  sees every cached key (with `causal`, the cache's keys up to the row's own position: a
+  SHORT_ROWS[dtype] // G new tokens: a speculative verify of K tokens, a short chunk): every
+  new row sees every cached key (with `causal`, the keys up to the row's own position: a
   per-token count of visible slots, masked by lane like a page's end; a window never reaches
   these kernels, see kv_kernels), so this is a decode with q_n x G rows per KV head. Tasks,
-  split and merge are decode's; per page and KV head, the page steps run for each token (the
+  split and merge are decode's; per page, the page steps run for every KV head and token (the
   token loop unrolled to SHORT_ROWS // G under a guard: a runtime row offset cost 40% in
-  address arithmetic). Each page is read once for all the rows, front to back, where the tiles
-  read it once per tile and KV head at the page's stride: at depth 1024 on one thread, 2 new
-  tokens of SmolLM2 (9/3 heads) take 0.55x the tiles' time, 4 tokens 0.77x, 8 tokens 0.90x.
-  Past 24 rows per KV head the tiles' 16-row blocks win (28 and 32 rows: 1.0x and 0.87x).
-  Longer chunks take tiles; both kinds of task share one parallel loop, the short ones first.
+  address arithmetic); a float16 page is widened once into a float32 copy first. Each page is
+  read once for all the rows, front to back, where the tiles read it once per tile and KV head
+  at the page's stride: at depth 1024 on one thread with float32 pages, 2 new tokens of
+  SmolLM2 (9/3 heads) take 0.55x the tiles' time, 4 tokens 0.77x, 8 tokens 0.90x. But the
+  decode structure spends more instructions per row (a shuffle tree and a scalar softmax step
+  per row and page) than a full tile, so it wins only while the tiles are starved of rows or
+  of bandwidth: past 24 rows per KV head (float32; 28 and 32 rows: 1.0x and 0.87x) or 6 rows
+  (float16: half the bytes; 8 and 9 rows lose 5%, 12 rows 20%) the tiles stay. Both kinds of
+  task share one parallel loop, the short ones first.
 * Row tiles (prefill over the chunk itself or of a long chunk over cached pages, and both tree
   kernels): a task is a tile of 16 query rows that read the same keys (consecutive (token,
   head) rows of one sequence and one KV head: with GQA a tile spans a few tokens times the
@@ -120,9 +124,11 @@ _STAGES = {step: _shuffle_indices(step) for step in (8, 4, 2, 1)}
 
 SPLIT_TASKS = 16  # decode splits sequences into page chunks when the batch has fewer sequences
 MIN_SPLIT_PAGES = 4  # pages per split chunk: at least 4 (64 keys)
-# Paged prefill: a sequence of at most SHORT_ROWS // G new tokens (rows per KV head) takes the
-# decode structure, a longer one 16-row tiles (measured crossover: 24 rows win, 28 and 32 lose).
-SHORT_ROWS = 24
+# Paged prefill: a sequence of at most SHORT_ROWS[dtype] // G new tokens (rows per KV head) takes
+# the decode structure, a longer one 16-row tiles. Measured crossovers (depth 1024, one thread):
+# float32 pages 24 rows win, 28 and 32 lose; float16 pages (half the bytes, so the tiles' compute
+# matters more) 6 rows win, 8 and 9 lose.
+SHORT_ROWS = {"float32": 24, "float16": 6}
 
 
 @T.macro
@@ -736,7 +742,11 @@ def prefill_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
 
 
 def prefill_paged_attention(
-    num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, short_rows: int = SHORT_ROWS
+    num_kv_heads: int,
+    num_qo_heads: int,
+    head_dim: int,
+    dtype: str,
+    short_rows: int | None = None,
 ):
     """A chunk of new tokens per sequence attends to the sequence's cached (paged) K/V (no
     sliding window; RoPE already applied). A sequence of few new tokens (at most
@@ -747,8 +757,39 @@ def prefill_paged_attention(
     G = H_qo // H_kv
     tile = _row_tile(D, G, dtype)
     scores, values = _page_macros(G, D)
+    if short_rows is None:
+        short_rows = SHORT_ROWS[dtype]
     QMAX = max(1, short_rows // G)  # new tokens of a short sequence, at most
     MAX_CHUNKS = 2 * SPLIT_TASKS  # as in decode
+    widen = dtype != "float32"
+
+    @T.macro
+    def page_pass(qv, acc, sc, ra, rb, hx, p, m, den, src, page, pg, n, q_n, causal):
+        """Page pg (slot `page` of src) for every row: the scores of all KV heads, then the
+        values. The token loop is unrolled (constant row offsets; a runtime one cost 40%)."""
+        for hk in T.serial(H_kv):
+            for tok in T.unroll(QMAX):
+                if tok < q_n:
+                    scores(
+                        qv,
+                        acc,
+                        sc,
+                        ra,
+                        rb,
+                        hx,
+                        p,
+                        m,
+                        den,
+                        src,
+                        page,
+                        hk,
+                        tok * H_qo,
+                        T.min(PAGE, _causal_lim(causal, n, q_n)(tok) - pg * PAGE),
+                    )
+        for hk in T.serial(H_kv):
+            for tok in T.unroll(QMAX):
+                if tok < q_n:
+                    values(acc, p, src, page, hk, tok * H_qo, T.min(PAGE, n - pg * PAGE))
 
     @T.prim_func(s_tir=True)
     def batch_prefill_paged_kv_cpu(
@@ -858,6 +899,7 @@ def prefill_paged_attention(
                         p = T.sblock_alloc_buffer((QMAX * H_qo, LANES), "float32")
                         den = T.sblock_alloc_buffer((QMAX * H_qo, LANES), "float32")
                         m = T.sblock_alloc_buffer((QMAX * H_qo,), "float32")
+                        wide = T.sblock_alloc_buffer((1, 2, H_kv, PAGE, D), "float32")
                         c: T.let[T.int32] = T.if_then_else(split, task - chunk_start[b], 0)
                         whole: T.let[T.bool] = T.if_then_else(
                             split, chunk_start[b + 1] - chunk_start[b] == 1, True
@@ -880,39 +922,36 @@ def prefill_paged_attention(
                                 den[r, j] = T.float32(0)
                             m[r] = T.float32(EMPTY)
                         for pg in T.serial(first_page, end_page):
-                            for hk in T.serial(H_kv):
-                                for tok in T.unroll(QMAX):
-                                    if tok < q_n:
-                                        scores(
-                                            qv,
-                                            acc,
-                                            sc,
-                                            ra,
-                                            rb,
-                                            hx,
-                                            p,
-                                            m,
-                                            den,
-                                            pages,
-                                            page_values[begin + pg],
-                                            hk,
-                                            tok * H_qo,
-                                            T.min(
-                                                PAGE, _causal_lim(causal, n, q_n)(tok) - pg * PAGE
-                                            ),
-                                        )
-                            for hk in T.serial(H_kv):
-                                for tok in T.unroll(QMAX):
-                                    if tok < q_n:
-                                        values(
-                                            acc,
-                                            p,
-                                            pages,
-                                            page_values[begin + pg],
-                                            hk,
-                                            tok * H_qo,
-                                            T.min(PAGE, n - pg * PAGE),
-                                        )
+                            if widen:
+                                # float16: the page widened once, not once per row
+                                for w in T.serial(2):
+                                    for hk in T.serial(H_kv):
+                                        for cc in T.serial(PAGE):
+                                            for d in T.vectorized(D):
+                                                wide[0, w, hk, cc, d] = pages[
+                                                    page_values[begin + pg], w, hk, cc, d
+                                                ].astype("float32")
+                                page_pass(
+                                    qv, acc, sc, ra, rb, hx, p, m, den, wide, 0, pg, n, q_n, causal
+                                )
+                            else:
+                                page_pass(
+                                    qv,
+                                    acc,
+                                    sc,
+                                    ra,
+                                    rb,
+                                    hx,
+                                    p,
+                                    m,
+                                    den,
+                                    pages,
+                                    page_values[begin + pg],
+                                    pg,
+                                    n,
+                                    q_n,
+                                    causal,
+                                )
                         for r in T.serial(q_n * H_qo):
                             hx[1, 0] = T.float32(0)
                             for j in T.serial(LANES):

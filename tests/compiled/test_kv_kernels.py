@@ -254,7 +254,7 @@ def test_prefill_paged(shape, dtype, causal):
     _check_prefill_paged(shape, dtype, causal, [40, 7, 0, 16, 70], [5, 7, 0, 3, 20])
 
 
-# A sequence of at most A.SHORT_ROWS // G new tokens takes the decode structure (split into
+# A sequence of at most A.SHORT_ROWS[dtype] // G new tokens takes the decode structure (split into
 # page chunks in a batch under A.SPLIT_TASKS sequences), a longer one 16-row tiles.
 PAGED_LENS = {
     "empty cache": ([0], [4]),
