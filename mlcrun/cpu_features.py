@@ -65,3 +65,26 @@ def check_host(target: str, where: str, cpuinfo: Path | None = None) -> None:
             f"{where}: compiled for a CPU with {', '.join(missing)}, which this CPU lacks; "
             "compile the model again on this machine"
         )
+
+
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+_SIZE_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def l2_cache_bytes(caches: Path | None = None) -> int | None:
+    """Size of one core's level-2 cache from sysfs (e.g. "2048K"), None where it is unknown.
+    The GEMM sizes the weight rows it keeps hot for a stream of activation rows by it."""
+    for index in sorted((caches or CPU_CACHES).glob("index*")):
+        try:
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if level != "2" or kind not in ("Unified", "Data"):
+            continue
+        unit = _SIZE_UNITS.get(size[-1:].upper())
+        digits = size[:-1] if unit else size
+        if digits.isdigit() and int(digits) > 0:
+            return int(digits) * (unit or 1)
+    return None

@@ -16,7 +16,13 @@ from tvm import relax, tirx  # noqa: E402
 from tvm.relax.frontend import nn  # noqa: E402
 
 from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
-from mlcrun.compiler.schedules.matmul import GEMM_MIN_ROWS, ROWS_VARIANTS  # noqa: E402
+from mlcrun.compiler.schedules import cpu as cpu_schedules  # noqa: E402
+from mlcrun.compiler.schedules.matmul import (  # noqa: E402
+    DEFAULT_L2_BYTES,
+    GEMM_MIN_ROWS,
+    ROWS_VARIANTS,
+    GemmTuning,
+)
 from mlcrun.compiler.target import cpu_target, cuda_target  # noqa: E402
 
 ROWS = (1, 3, 17, 128)
@@ -75,7 +81,7 @@ def _vm(mod: tvm.IRModule) -> relax.VirtualMachine:
         (64, 48, "float32", "residual"),
         (64, 32, "float32", "bias_silu_mul"),  # a chain of epilogue blocks
         (80, 64, "float16", "residual"),  # fp16 storage, fp32 accumulation, cast epilogue
-        (36, 1040, "float32", "residual"),  # K >= GEMM_LONG_K: 6-row tiles of 8 lanes
+        (36, 1040, "float32", "residual"),  # K >= GEMM_LONG_K (Zen 4: 6-row tiles of 8 lanes)
         (30, 1028, "float32", "bias"),  # the same with NR=3 and 4 lanes
     ],
 )
@@ -91,6 +97,39 @@ def test_matmul_matches_numpy(n: int, k: int, dtype: str, epilogue: str) -> None
         want = _reference(x, w, b, r, epilogue)
         tol = 4e-3 if dtype == "float16" else 1e-5
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.sqrt(k), err_msg=f"M={rows}")
+
+
+TUNINGS = {
+    "zen4-few-rows": GemmTuning(l2_block_bytes=16 * 1024, long_k_ymm=True),
+    "few-rows": GemmTuning(l2_block_bytes=16 * 1024, long_k_ymm=False),
+    "whole-l2": GemmTuning(l2_block_bytes=1 << 21, long_k_ymm=False),
+}
+
+
+def test_gemm_tuning_follows_the_cpu() -> None:
+    """Half the L2 per chunk (a default where sysfs says nothing), ymm long-K tiles on Zen 4."""
+    assert GemmTuning.for_cpu(2 << 20, "sapphirerapids") == GemmTuning(1 << 20, False)
+    assert GemmTuning.for_cpu(None, "znver4") == GemmTuning(DEFAULT_L2_BYTES // 2, True)
+
+
+@pytest.mark.parametrize("tuning", TUNINGS.values(), ids=TUNINGS.keys())
+def test_gemm_tunings_match_numpy(monkeypatch, tuning: GemmTuning) -> None:
+    """Whatever CPU compiles it: W chunks of a few rows (many chunks) up to a whole L2 (one
+    chunk, or GEMM_MIN_CHUNKS), with and without Zen 4's 6x8-lane long-K tiles, on shapes no
+    tile divides (N = 30: NR = 3; K = 1028: 4 lanes) and M not a multiple of the tile rows."""
+    monkeypatch.setattr(cpu_schedules, "gemm_tuning", lambda target: tuning)
+    for n, k in [(36, 1040), (30, 1028), (200, 72)]:
+        vm = _vm(_module(n, k, "float32", "residual"))
+        w = RNG.standard_normal((n, k)).astype("float32")
+        b = RNG.standard_normal(n).astype("float32")
+        for rows in (GEMM_MIN_ROWS, 13, 40):
+            x = RNG.standard_normal((1, rows, k)).astype("float32")
+            r = RNG.standard_normal((1, rows, n)).astype("float32")
+            got = vm["main"](*[tvm.runtime.tensor(a) for a in (x, w, b, r)]).numpy()
+            want = _reference(x, w, b, r, "residual")
+            np.testing.assert_allclose(
+                got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=f"N={n} K={k} M={rows}"
+            )
 
 
 @pytest.mark.parametrize(
@@ -293,15 +332,18 @@ def test_exported_kernels_are_left_alone() -> None:
         tvm.ir.assert_structural_equal(after[name].body, func.body)
 
 
-@pytest.mark.parametrize(("n", "k"), [(1536, 576), (576, 1536)])  # 3-row and 6-row GEMM tiles
-def test_matmul_accumulators_fit_on_the_stack(n: int, k: int) -> None:
+@pytest.mark.parametrize("long_k_ymm", [False, True], ids=["3-row", "zen4"])
+@pytest.mark.parametrize(("n", "k"), [(1536, 576), (576, 1536)])  # K >= GEMM_LONG_K: long-K tile
+def test_matmul_accumulators_fit_on_the_stack(monkeypatch, n: int, k: int, long_k_ymm) -> None:
     """TVM puts small "global" allocations on the stack; anything else is a heap workspace
     that LLVM must assume aliases the operands as soon as one kernel in the module lacks
     `tirx.noalias` (the KV cache's kernels do, and TVM 0.27 then drops noalias for the whole
     module): the accumulators would be stored after every FMA, 3x slower. So no parallel task
-    of a matmul may allocate a workspace."""
+    of a matmul may allocate a workspace, with either long-K tile."""
     import re
 
+    tuning = GemmTuning(long_k_ymm=long_k_ymm)
+    monkeypatch.setattr(cpu_schedules, "gemm_tuning", lambda target: tuning)
     funcs = _scheduled_prim_funcs(_module(n, k, "float32", "residual"))
     (name,) = [n for n in funcs if "matmul" in n]
     target = cpu_target()

@@ -44,3 +44,27 @@ def test_a_missing_feature_is_named(tmp_path):
 
 def test_without_cpuinfo_nothing_is_refused(tmp_path):
     cpu_features.check_host(TARGET, "model", tmp_path / "absent")
+
+
+def _cache(root, index: str, level: str, kind: str, size: str) -> None:
+    folder = root / index
+    folder.mkdir(parents=True)
+    for name, value in (("level", level), ("type", kind), ("size", size)):
+        (folder / name).write_text(value + "\n")
+
+
+def test_l2_size_is_read_from_sysfs(tmp_path):
+    _cache(tmp_path, "index0", "1", "Data", "48K")
+    _cache(tmp_path, "index1", "1", "Instruction", "32K")
+    _cache(tmp_path, "index2", "2", "Unified", "2048K")
+    _cache(tmp_path, "index3", "3", "Unified", "105M")
+    assert cpu_features.l2_cache_bytes(tmp_path) == 2 * 1024 * 1024
+    other = tmp_path / "mb"
+    _cache(other, "index2", "2", "Unified", "1M")
+    assert cpu_features.l2_cache_bytes(other) == 1024 * 1024
+
+
+def test_unknown_l2_size_is_none(tmp_path):
+    assert cpu_features.l2_cache_bytes(tmp_path / "missing") is None
+    _cache(tmp_path, "index2", "2", "Unified", "lots")
+    assert cpu_features.l2_cache_bytes(tmp_path) is None

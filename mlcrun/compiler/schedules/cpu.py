@@ -24,6 +24,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.cpu import Reduction
 from tvm.target import Target
 
+from ...cpu_features import l2_cache_bytes
 from ..target import bf16_dot_bits, int8_dot_bits, vector_bits
 from . import bf16, int8, matmul
 
@@ -104,13 +105,20 @@ def schedule_fallback(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     return sch.mod["main"] if changed else None
 
 
+def gemm_tuning(target: Target) -> matmul.GemmTuning:
+    """The GEMM's cache blocking for the CPU being compiled for: a CPU target is always this
+    machine's (compiler/target.py), so its L2 comes from sysfs."""
+    return matmul.GemmTuning.for_cpu(l2_cache_bytes(), str(target.attrs.get("mcpu", "")))
+
+
 def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     """Schedule one PrimFunc for `target` (an llvm target), or None if no rule applies."""
     bits = vector_bits(target)
+    tuning = gemm_tuning(target)
     rules = [
         ("int8", lambda f: int8.schedule(f, int8_dot_bits(target))),  # int8 activations (VNNI)
         ("bf16", lambda f: bf16.schedule(f, bf16_dot_bits(target))),  # bf16 (AVX512-BF16)
-        ("matmul", lambda f: matmul.schedule(f, bits)),
+        ("matmul", lambda f: matmul.schedule(f, bits, tuning)),
         ("reduction", lambda f: schedule_reduction(f, target)),
         ("injective", lambda f: schedule_injective(f, max(bits // 32, 1))),
         ("fallback", schedule_fallback),

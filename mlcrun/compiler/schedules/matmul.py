@@ -20,8 +20,9 @@ the same kernel serves decode, verification and prefill, in three kinds of varia
   vector. A symbolic M is padded to a multiple of MR with `pad_einsum` (a copy of A, ~1/N of
   the work): a predicate on M inside the tile defeats TVM's buffer compaction (the
   accumulators then spill to a buffer of M rows) and halves the speed. Chunks of N sized
-  for L2 times row tiles run in parallel. From K = `GEMM_LONG_K` on, tiles of 6 rows of 8
-  lanes (ymm; the same 768 B of accumulators, see `GEMM_MR`). At M=512 on one Zen 4 thread
+  to half the compiling CPU's L2 (`GemmTuning`) times row tiles run in parallel. On Zen 4,
+  from K = `GEMM_LONG_K` on, tiles of 6 rows of 8 lanes (ymm; the same 768 B of
+  accumulators, see `GEMM_MR`). At M=512 on one Zen 4 thread
   (timed by thread CPU time, `schedule_micro.py --threads 1 --gemm-only`): 95-100 GFLOP/s on
   every SmolLM2 and Qwen2.5-0.5B shape with K <= 896, as fast as numpy/OpenBLAS sgemm and
   near the core's one-zmm-FMA-per-cycle peak. With 3 rows the down projections (K = 1536,
@@ -66,17 +67,40 @@ from tvm.sym.analyzer import Analyzer
 # 88 -> 101 GFLOP/s) and 1.31x at K=4864 (Qwen2.5-0.5B down, 64-73 -> 83-96), one thread,
 # OpenBLAS 97-99; 16 lanes (a workspace) 1.05x and 1.25x. K blocking (A tile in
 # L1, partial sums per K block via rfactor, merged before the horizontal sums) measured
-# 0.6-0.8x; a larger L2_BLOCK_BYTES (256 KiB - 1 MiB) was within +-2% (unstable at K=4864).
+# 0.6-0.8x; W chunks of 256 KiB - 1 MiB (was 128 KiB) were within +-2% (unstable at K=4864).
+#
+# Both measurements were on Zen 4 with W chunks of 128 KiB. On an Intel Xeon (two full-width
+# zmm FMA pipes, 2 MiB L2; one thread, M=512) the long-K shapes were bound by something else:
+# a chunk of 128 KiB holds only 4-8 rows of a K=4864 W, so the 10 MB A streamed from memory
+# once per 4-8 columns (Qwen2.5-0.5B down: 56 GFLOP/s with either tile, numpy 161). Chunks of
+# half the L2 (`GemmTuning`) measured 116 GFLOP/s there with 3x4 tiles of 16 lanes (6x4x8:
+# 105), SmolLM2's down 93 -> 154, the K <= 896 shapes +0-9%. So the chunk budget is half the
+# compiling CPU's L2, and the 6x4x8 long-K tile is kept for Zen 4 only (`long_k_ymm`).
 GEMM_MR = 3
 GEMM_LONG_K = 1024  # from this K on, GEMM_MR_LONG_K rows per tile (see above)
 GEMM_MR_LONG_K = 6
 LONG_K_LANES = 8  # 6 x 4 x 8 lanes x 4 B = 768 B of accumulators (16 lanes: a workspace)
 GEMM_MIN_ROWS = 8  # the GEMM variant wins from ~7 rows (measured on 3072x576 weights)
 ROWS_VARIANTS = (2, 4, 7)  # MR of the small-M variants: each serves M up to its MR
-L2_BLOCK_BYTES = 128 * 1024  # W rows per parallel chunk of the GEMM stay within this (L2: 1 MiB)
+DEFAULT_L2_BYTES = 1024 * 1024  # a core's L2 where the machine does not say (Zen 4: 1 MiB)
+GEMM_MIN_CHUNKS = 8  # a GEMM with a dequantized W runs one task per chunk: keep some
 GEMV_MIN_CHUNKS = 32  # parallel chunks for the GEMV: the pool splits a loop statically
 MAX_ACC_BYTES = 1023  # TVM puts a buffer on the stack only when it is smaller than 1 KiB
 QUANT_GROUP = 32  # elements per scale of the quantized formats (quant/presets.py)
+
+
+@dataclass(frozen=True)
+class GemmTuning:
+    """What the GEMM variant's tiling takes from the CPU it is compiled for (see GEMM_MR)."""
+
+    l2_block_bytes: int = DEFAULT_L2_BYTES // 2  # W rows per parallel chunk stay within this
+    long_k_ymm: bool = False  # 6 x 4 tiles of 8 lanes from K = GEMM_LONG_K (Zen 4)
+
+    @classmethod
+    def for_cpu(cls, l2_bytes: int | None, mcpu: str) -> GemmTuning:
+        """Chunks of half the L2 (the other half: A tiles, the epilogue, prefetch), and the
+        ymm long-K tiles where a zmm FMA is two ymm halves (Zen 4: `znver4`)."""
+        return cls((l2_bytes or DEFAULT_L2_BYTES) // 2, mcpu == "znver4")
 
 
 @dataclass(frozen=True)
@@ -190,7 +214,12 @@ def _largest_divisor(n: int, candidates: list[int]) -> int:
 
 
 def tile_config(
-    info: MatmulInfo, vector_bits: int, kind: str, mr: int = 1, nb: int | None = None
+    info: MatmulInfo,
+    vector_bits: int,
+    kind: str,
+    mr: int = 1,
+    nb: int | None = None,
+    tuning: GemmTuning = GemmTuning(),  # noqa: B008 - frozen, shared default
 ) -> TileConfig:
     """Tile sizes of a `kind` variant with `mr` rows per tile (GEMV, small M): MR x NR
     accumulators must fit the register file (32 zmm with AVX-512) and stay under 1 KiB (the
@@ -201,10 +230,13 @@ def tile_config(
     if kind == "gemm":
         nr = _largest_divisor(info.n, [4, 3, 2])
         tiles = info.n // nr
-        # Largest chunk whose W rows fit the L2 budget, so the A rows streamed over it reuse W.
-        max_tiles = max(L2_BLOCK_BYTES // (nr * info.k * info.w_bits // 8), 1)
+        # Largest chunk whose W rows fit the L2 budget, so the A rows streamed over it reuse W,
+        # but at least GEMM_MIN_CHUNKS chunks where N allows (tasks of a dequantized W).
+        max_tiles = max(tuning.l2_block_bytes // (nr * info.k * info.w_bits // 8), 1)
+        max_tiles = min(max_tiles, max(tiles // GEMM_MIN_CHUNKS, 1))
         per_chunk = max(d for d in range(1, min(tiles, max_tiles) + 1) if tiles % d == 0)
-        mr = GEMM_MR_LONG_K if info.k >= GEMM_LONG_K else GEMM_MR
+        long_k = tuning.long_k_ymm and info.k >= GEMM_LONG_K
+        mr = GEMM_MR_LONG_K if long_k else GEMM_MR
         if mr != GEMM_MR:
             lanes = _largest_divisor(info.k, [c for c in (LONG_K_LANES, 4, 2) if c <= lanes])
         return TileConfig(mr=mr, nr=nr, lanes=lanes, nb=nr * per_chunk, kind=kind)
@@ -434,7 +466,11 @@ def _chain(variants: list) -> tirx.Stmt:
     return first.body if not rest else tirx.IfThenElse(cond, first.body, _chain(rest))
 
 
-def schedule(func: tirx.PrimFunc, vector_bits: int) -> tirx.PrimFunc | None:
+def schedule(
+    func: tirx.PrimFunc,
+    vector_bits: int,
+    tuning: GemmTuning = GemmTuning(),  # noqa: B008 - frozen, shared default
+) -> tirx.PrimFunc | None:
     """Schedule a matmul PrimFunc, or return None if it is not one we handle."""
     info = analyze(func)
     if info is None:
@@ -442,7 +478,7 @@ def schedule(func: tirx.PrimFunc, vector_bits: int) -> tirx.PrimFunc | None:
     if isinstance(info.rows, tirx.IntImm):
         m = info.rows.value
         if m >= GEMM_MIN_ROWS:
-            cfg = tile_config(info, vector_bits, "gemm")
+            cfg = tile_config(info, vector_bits, "gemm", tuning=tuning)
         elif m == 1:
             cfg = tile_config(info, vector_bits, "gemv")
         else:
@@ -454,7 +490,7 @@ def schedule(func: tirx.PrimFunc, vector_bits: int) -> tirx.PrimFunc | None:
     for mr in ROWS_VARIANTS:
         cfg = tile_config(info, vector_bits, "rows", mr, nb=gemv.nb)
         small.append((mr + 1, schedule_matmul(func, info, cfg)))
-    large = schedule_matmul(func, info, tile_config(info, vector_bits, "gemm"))
+    large = schedule_matmul(func, info, tile_config(info, vector_bits, "gemm", tuning=tuning))
     dtype = str(info.rows.ty)
     conds, lo = [], 0
     for hi, f in small:  # exclusive conditions: lo <= M < hi
