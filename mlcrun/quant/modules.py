@@ -109,16 +109,18 @@ def _dequantize(preset: QuantPreset, w: list[te.Tensor], n, k, int8: bool = Fals
         bits = w[0][_tiled(n, k, rows, cols, 2)] if int8 else w[0][n, k]
         return tirx.reinterpret(F32, bits.astype("uint32") << tirx.const(16, "uint32"))
     if preset.kind == "q8":
-        if int8:  # uint8 codes + 128, scales [K/32, N]
+        if int8:  # uint8 codes + 128, codes and scales in panels
             code = w[0][_tiled(n, k, rows, cols, 4)].astype("int32") - 128
-            return code.astype(F32) * w[1][k // g, n].astype(F32)
+            scale = w[1][_tiled(n, k // g, rows, int(w[1].shape[1]), 1)]
+            return code.astype(F32) * scale.astype(F32)
         return w[0][n, k].astype(F32) * w[1][n, k // g].astype(F32)
-    q, *scales = w  # scale[, min]: [N, K/32], or [K/32, N] in the int8 layout
+    q, *scales = w  # scale[, min]: [N, K/32] (in panels in the int8 layout)
     per = numpy_ref.NIBBLES_PER_WORD
     shift = (k % per).astype("uint32") * tirx.const(4, "uint32")
     word = q[_tiled(n, k // per, rows, cols, 1)] if int8 else q[n, k // per]
     code = ((word >> shift) & tirx.const(15, "uint32")).astype(F32)
-    scale, *mins = (s[k // g, n] if int8 else s[n, k // g] for s in scales)
+    groups = int(scales[0].shape[1])
+    scale, *mins = (s[_tiled(n, k // g, rows, groups, 1)] if int8 else s[n, k // g] for s in scales)
     if preset.symmetric:  # w = (q - 8) * scale
         return (code - tirx.const(numpy_ref.Q4_ZERO, F32)) * scale.astype(F32)
     return code * scale.astype(F32) + mins[0].astype(F32)

@@ -162,9 +162,13 @@ def dequantize_q8(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
 # Each lane is one output feature, so the weights are stored in panels of PANEL output rows,
 # each panel transposed so that one 64-byte load holds the next 4 K-elements (q8) or the next
 # 8 (q4: one uint32 word) of all 16 rows. A panel of r < PANEL rows (the last one when N is not
-# a multiple of 16) is transposed the same way with r lanes. Scales and mins are stored
-# transposed, [K / 32, N], so one tile's 16 scales are contiguous. The arrays keep the row-major
-# arrays' shapes except the scales: a panel's rows occupy the same bytes either way.
+# a multiple of 16) is transposed the same way with r lanes. Scales and mins are stored in the
+# same panels (tile_rows(., 1)): a panel's 16 scales of one group are contiguous, and so are all
+# the groups of a panel, which a kernel streams beside the panel's codes. (Stored [K / 32, N],
+# a tile's scales of successive groups were N * 2 bytes apart: one 4 KB page per group and
+# array, more streams than the prefetchers follow; q4f16_1's gate_up on the Qwen2.5-0.5B shape
+# took 1.5x q4f16_0's time per token at M = 1 and 2.5x at M = 4.) The arrays keep the
+# row-major arrays' shapes: a panel's rows occupy the same bytes either way.
 PANEL = 16
 
 
@@ -192,27 +196,27 @@ def untile_rows(a: np.ndarray, unit: int) -> np.ndarray:
 
 
 def q4_to_int8_layout(packed, *scales) -> tuple[np.ndarray, ...]:
-    """Row-major q4 params (packed, scale[, mins]) -> the int8 kernels' (words in panels,
-    scales [and mins] [K/32, N])."""
+    """Row-major q4 params (packed, scale[, mins]) -> the int8 kernels' (words, scales [and
+    mins], each in panels of 16 rows)."""
     t = np.ascontiguousarray
-    return t(tile_rows(np.asarray(packed, np.uint32), 1)), *(t(s.T) for s in scales)
+    return t(tile_rows(np.asarray(packed, np.uint32), 1)), *(t(tile_rows(s, 1)) for s in scales)
 
 
 def q4_from_int8_layout(packed, *scales) -> tuple[np.ndarray, ...]:
     t = np.ascontiguousarray
-    return t(untile_rows(np.asarray(packed, np.uint32), 1)), *(t(s.T) for s in scales)
+    return t(untile_rows(np.asarray(packed, np.uint32), 1)), *(t(untile_rows(s, 1)) for s in scales)
 
 
 def q8_to_int8_layout(codes, scale) -> tuple[np.ndarray, np.ndarray]:
     """Row-major q8 params -> the int8 kernels': codes + 128 as uint8 (vpdpbusd's unsigned
-    operand; w = (u - 128) * scale) in panels of 4-byte lanes, scales [K/32, N]."""
+    operand; w = (u - 128) * scale) in panels of 4-byte lanes, scales in panels of 16 rows."""
     offset = (np.asarray(codes, np.int8).view(np.uint8) ^ np.uint8(0x80)).astype(np.uint8)
-    return np.ascontiguousarray(tile_rows(offset, 4)), np.ascontiguousarray(scale.T)
+    return np.ascontiguousarray(tile_rows(offset, 4)), np.ascontiguousarray(tile_rows(scale, 1))
 
 
 def q8_from_int8_layout(codes, scale) -> tuple[np.ndarray, np.ndarray]:
     rows = untile_rows(np.asarray(codes, np.uint8), 4) ^ np.uint8(0x80)
-    return np.ascontiguousarray(rows.view(np.int8)), np.ascontiguousarray(scale.T)
+    return np.ascontiguousarray(rows.view(np.int8)), np.ascontiguousarray(untile_rows(scale, 1))
 
 
 AMAX_FLOOR = 1e-30  # a block whose |max| is below this quantizes to zeros (no inf scale)

@@ -11,7 +11,7 @@ numpy only (no TVM), keyed by param names exactly as quant/modules.py's rewrite 
 
 With `activations="int8"` (presets.uses_int8) q4/q8 params come in the int8 kernels' layout
 (numpy_ref.q4_to_int8_layout / q8_to_int8_layout): q_weight keeps its shape (q8: uint8 codes
-+ 128), rows in panels of 16; q_scale and q_min are [K/32, N]. `to_layout` converts row-major
++ 128), q_scale and q_min keep theirs, all with rows in panels of 16. `to_layout` converts row-major
 params (from this transform or GGUF blocks) and `dequantize_params` reads either layout.
 With `activations="bf16"` (presets.uses_bf16) a q0bf16 weight comes in panels of 16 rows x 2
 K-elements (numpy_ref.tile_rows(., 2)), the bf16 kernels' layout, same shape.
@@ -44,7 +44,7 @@ def quant_param_specs(
     if preset.kind not in ("q4", "q8"):
         raise ValueError(f"preset {preset.name} stores float32 weights")
     int8 = uses_int8(preset, activations)
-    scales = ((k // g, n) if int8 else (n, k // g), preset.scale_dtype)
+    scales = ((n, k // g), preset.scale_dtype)  # int8 layout: in panels, the same shape
     if preset.kind == "q8":
         codes = ((n, k), "uint8" if int8 else "int8")
     else:

@@ -83,6 +83,23 @@ def test_int8_kernels_match_the_numpy_int8_model(preset, n, k):
     _run(vm, named, preset, n, k, vocab)
 
 
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32"])
+def test_reference_te_bodies_read_the_same_layout(monkeypatch, preset):
+    """Without VNNI the int8 ops run their TE bodies (modules.py), which index the codes and
+    the panelled scales on their own: the same numpy model must hold for them (N = 37: a
+    short last panel)."""
+    monkeypatch.setattr(cpu_rules, "int8_dot_bits", lambda target: 0)
+    vm, named = _compile(preset, 37, 96, 40)
+    p = get_preset(preset)
+    floats, _, args = block_params(preset, "int8", named, 37, 96, 40, RNG)
+    x = RNG.standard_normal((1, 5, 96)).astype("float32")
+    r = np.zeros((1, 5, 37), "float32")
+    got = vm["forward"](tvm.runtime.tensor(x), tvm.runtime.tensor(r), args).numpy()[0]
+    weights = _row_major(p, "proj.weight", floats["proj.weight"])
+    want = numpy_ref.int8_linear(x[0], p.kind, weights) + floats["proj.bias"]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_avx_vnni_width_gives_the_same_results(monkeypatch):
     """Targets with only AVX-VNNI get 256-bit vpdpbusd (two halves per 16-lane panel); this
     CPU runs that instruction too (EVEX), so both widths are checked to agree bit for bit."""

@@ -44,9 +44,15 @@ def test_q8_layout_is_offset_binary_codes():
     codes = RNG.integers(-127, 128, (20, 64)).astype(np.int8)
     scale = RNG.random((20, 2)).astype(np.float32)
     tiled, scale_t = numpy_ref.q8_to_int8_layout(codes, scale)
-    assert tiled.dtype == np.uint8 and scale_t.shape == (2, 20)
+    assert tiled.dtype == np.uint8 and scale_t.shape == (20, 2)
     # first panel, first 4-byte lane: codes [0, 0:4] + 128
     np.testing.assert_array_equal(tiled.reshape(-1)[:4], codes[0, :4].astype(np.int32) + 128)
+    # scales in panels: the first panel's 16 scales of group 0, then of group 1, then the
+    # short last panel (4 rows) group by group
+    flat = scale_t.reshape(-1)
+    np.testing.assert_array_equal(flat[:16], scale[:16, 0])
+    np.testing.assert_array_equal(flat[16:32], scale[:16, 1])
+    np.testing.assert_array_equal(flat[32:36], scale[16:, 0])
     back, scale_back = numpy_ref.q8_from_int8_layout(tiled, scale_t)
     np.testing.assert_array_equal(back, codes)
     np.testing.assert_array_equal(scale_back, scale)

@@ -174,8 +174,8 @@ class _Operands:
     ascale: object  # [..., K/32] f32
     asum: object  # [..., K/32] int32
     weight: object  # q4: [N, K/8] uint32 words; q8: [N, K] uint8 (codes + 128), in panels
-    wscale: object  # [K/32, N]
-    wmin: object | None  # [K/32, N] (q4 with mins)
+    wscale: object  # [N, K/32] in panels: a panel's groups of 16 scales one after another
+    wmin: object | None  # the same (q4 with mins)
     zero: int  # the weight code of zero: q8 128 (codes + 128), symmetric q4 8, q4 with mins 0
     n: int
     k: int
@@ -198,7 +198,7 @@ def _operands(func: tirx.PrimFunc, block_stmt, kind: str, symmetric: bool) -> _O
         if b.dtype == "int32" and len(b.shape) == len(ascale.shape)
         and _static(b.shape[-1]) == _static(ascale.shape[-1])
     ]  # fmt: skip
-    n, k = _static(wscale.shape[1]), _static(codes.shape[-1])
+    n, k = _static(wscale.shape[0]), _static(codes.shape[-1])
     wdtype = "uint32" if kind == "q4" else "uint8"
     if (
         len(asum) != 1
@@ -207,7 +207,7 @@ def _operands(func: tirx.PrimFunc, block_stmt, kind: str, symmetric: bool) -> _O
         or k % GROUP
         or codes.dtype != "int8"
         or weight.dtype != wdtype
-        or _static(wscale.shape[0]) != k // GROUP
+        or _static(wscale.shape[1]) != k // GROUP
     ):
         return None
     return _Operands(kind, codes, ascale, asum[0], weight, wscale, wmin, zero, n, k)
@@ -404,7 +404,7 @@ class _MatmulKernel(PanelLoops):
                             T.buffer_store(acc, value, [idx(r, j, h)])
             for j in range(npn):
                 for h in range(halves):
-                    col = g * self.ops.n + (p0 + j) * PANEL + h * lanes
+                    col = ((p0 + j) * self.groups + g) * PANEL + h * lanes
                     ws = self.sf[_ramp(col, lanes)].astype(f"float32x{lanes}")
                     wm = (
                         None
@@ -454,7 +454,7 @@ class _MatmulKernel(PanelLoops):
                                 a = self.a8[m * ops.k + g * GROUP + step * 4 + b]
                                 total = total + u.astype("int32") * a.astype("int32")
                         T.buffer_store(dot, total, [_c(0)])
-                    col = g * ops.n + self.panels * PANEL + lane
+                    col = self.panels * PANEL * self.groups + g * width + lane
                     da = self.ds[row]
                     term = dot[_c(0)].astype(F32) * (self.sf[col].astype(F32) * da)
                     if self.mf is not None:
