@@ -68,7 +68,8 @@ def profile_decode(
         return 0  # VMInstrumentReturnKind.kNoOp
 
     # Every round decodes 2 * steps tokens (then pops them), plus one warm-up token.
-    capacity = batch * (depth + 2 * steps + 1) + 4 * model.artifact.page_size
+    page = model.artifact.page_size
+    capacity = batch * (-(-(depth + 2 * steps + 1) // page) + 1) * page  # whole pages each
     model.create_kv_cache(max_num_sequence=batch, max_total_sequence_length=capacity)
     rng = np.random.default_rng(0)
     seqs = list(range(batch))
