@@ -2,8 +2,9 @@
 
 Each case builds a small relax function with a symbolic row count (like prefill's seq_len),
 compiles it with mlcrun's pipeline for the host CPU and runs it in the VM for several M:
-1 takes the GEMV variant, 3 a small-M one (MR = 4, A padded), 17 and 128 the padded GEMM one
-(17 is not a multiple of 3); test_small_m_matches_numpy runs every M of the small-M variants.
+1 takes the GEMV variant, 3 a small-M one (MR = 4, A padded), 17 the batch one (row tiles of
+BATCH_MR, A padded) and 128 the GEMM one; test_small_m_matches_numpy runs every M of the
+small-M variants, test_batch_rows_match_numpy every M of the batch variant.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tvm.relax.frontend import nn  # noqa: E402
 from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
 from mlcrun.compiler.schedules import cpu as cpu_schedules  # noqa: E402
 from mlcrun.compiler.schedules.matmul import (  # noqa: E402
+    BATCH_MAX_ROWS,
     DEFAULT_L2_BYTES,
     GEMM_MIN_ROWS,
     ROWS_VARIANTS,
@@ -122,7 +124,7 @@ def test_gemm_tunings_match_numpy(monkeypatch, tuning: GemmTuning) -> None:
         vm = _vm(_module(n, k, "float32", "residual"))
         w = RNG.standard_normal((n, k)).astype("float32")
         b = RNG.standard_normal(n).astype("float32")
-        for rows in (GEMM_MIN_ROWS, 13, 40):
+        for rows in (BATCH_MAX_ROWS, 37, 40):
             x = RNG.standard_normal((1, rows, k)).astype("float32")
             r = RNG.standard_normal((1, rows, n)).astype("float32")
             got = vm["main"](*[tvm.runtime.tensor(a) for a in (x, w, b, r)]).numpy()
@@ -155,6 +157,31 @@ def test_small_m_matches_numpy(n: int, k: int, dtype: str, epilogue: str) -> Non
         want = _reference(x, w, b, r, epilogue)
         tol = 4e-3 if dtype == "float16" else 1e-5
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.sqrt(k), err_msg=f"M={rows}")
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "epilogue"),
+    [
+        (30, 40, "bias"),  # NR = 3 in chunks of 3 columns; the prefetched row clamps at N - 1
+        (54, 72, "residual"),  # chunks of 27 columns: NR must divide them
+        (200, 1028, "bias_silu_mul"),  # 4 lanes, a chain of epilogue blocks
+    ],
+)
+def test_batch_rows_match_numpy(n: int, k: int, epilogue: str) -> None:
+    """Every M of the batch variant (GEMM_MIN_ROWS .. BATCH_MAX_ROWS - 1: several row tiles per
+    column tile, A padded to BATCH_MR rows, the next tile's W prefetched) and the first GEMM
+    size, against numpy."""
+    vm = _vm(_module(n, k, "float32", epilogue))
+    w = RNG.standard_normal((n, k)).astype("float32")
+    b = RNG.standard_normal(n).astype("float32")
+    for rows in range(GEMM_MIN_ROWS - 1, BATCH_MAX_ROWS + 1):
+        x = RNG.standard_normal((1, rows, k)).astype("float32")
+        r = RNG.standard_normal((1, rows, n)).astype("float32")
+        got = vm["main"](*[tvm.runtime.tensor(a) for a in (x, w, b, r)]).numpy()
+        want = _reference(x, w, b, r, epilogue)
+        np.testing.assert_allclose(
+            got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=f"N={n} K={k} M={rows}"
+        )
 
 
 def _rms_norm_module(h: int) -> tvm.IRModule:
@@ -220,8 +247,10 @@ def test_matmuls_are_parallel_and_vectorized(epilogue: str) -> None:
         script = func.script()
         assert "T.parallel" in script, f"{name} has no parallel loop"
         assert "T.vectorized" in script, f"{name} has no vectorized loop"
-        dispatch = f"if m < T.int64({GEMM_MIN_ROWS})"
+        dispatch = f"if m < T.int64({BATCH_MAX_ROWS})"
         assert dispatch in script, f"{name} lacks the GEMV/GEMM dispatch on M"
+        # the row variants prefetch the next column tile of the float W
+        assert "llvm.prefetch" in script, f"{name} does not prefetch W"
 
 
 def test_batch_decode_layout() -> None:
