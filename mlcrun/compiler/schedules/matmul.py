@@ -444,7 +444,7 @@ def _float_weight(block: tirx.Stmt, info: MatmulInfo) -> tirx.Buffer | None:
 def _prefetch_next_tile(
     body: tirx.Stmt, w: tirx.Buffer, loops: list, cfg: TileConfig, info: MatmulInfo
 ) -> tirx.Stmt:
-    """Prefetch the next column tile's W rows while this one computes (see PREFETCH_ROWS).
+    """Prefetch the next column tile's W rows while this one computes (module doc, "Batch").
     Each K step of row tile `mo` touches one cache line of W row `next tile + mo % NR`, at the
     same K offset, so the NR rows of the next tile are fetched during the row tiles of this one
     instead of stalling its first row tile."""
