@@ -342,6 +342,8 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     # A dequantized W: the GEMV unpacks it inside its loads (inlined), the GEMM dequantizes
     # each chunk of W rows once (compute_at below).
     deq = _weight_producer(sch, block)
+    # A float W (no dequantize): the row variants prefetch its next column tile (below).
+    float_w = sch.get(block).reads[1].source if deq is None else None
     quant_gemv = deq is not None and cfg.inline_weight
     _inline_producers(sch, block, keep=deq)
     sch.transform_block_layout(block, info.index_map)
@@ -423,22 +425,10 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     init = sch.decompose_reduction(rf, ko)
     sch.vectorize(sch.get_loops(init)[-1])
     func = sch.mod["main"]
-    if cfg.kind == "rows" and deq is None and not quant_gemv:
-        w_buf = _float_weight(sch.get(rf), info)
-        if w_buf is not None:
-            loops = [sch.get(loop).loop_var for loop in (no, nm, mo, ko)]
-            func = func.with_body(_prefetch_next_tile(func.body, w_buf, loops, cfg, info))
+    if cfg.kind == "rows" and float_w is not None:
+        loops = [sch.get(loop).loop_var for loop in (no, nm, mo, ko)]
+        func = func.with_body(_prefetch_next_tile(func.body, float_w, loops, cfg, info))
     return func
-
-
-def _float_weight(block: tirx.Stmt, info: MatmulInfo) -> tirx.Buffer | None:
-    """The [N, K] weight buffer the accumulation block reads (a param, not a dequantize)."""
-    for region in block.reads[1:]:
-        shape = region.source.shape
-        if len(shape) == 2 and all(isinstance(d, tirx.IntImm) for d in shape):
-            if [int(d) for d in shape] == [info.n, info.k]:
-                return region.source
-    return None
 
 
 def _prefetch_next_tile(
@@ -449,9 +439,8 @@ def _prefetch_next_tile(
     same K offset, so the NR rows of the next tile are fetched during the row tiles of this one
     instead of stalling its first row tile."""
     chunk, tile, row_tile, k_step = loops
-    idx = chunk.ty if hasattr(chunk, "ty") else chunk.dtype
 
-    def const(value: int, dtype: str = str(idx)) -> tirx.PrimExpr:
+    def const(value: int, dtype: str = str(chunk.ty)) -> tirx.PrimExpr:
         return tirx.IntImm(dtype, value)
 
     row = chunk * const(cfg.nb) + (tile + const(1)) * const(cfg.nr)
