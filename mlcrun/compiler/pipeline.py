@@ -13,6 +13,8 @@ Differences from TVM's default llvm pipeline, and why:
 * On CPU, `trim_vm_bookkeeping` at the end: the relax VM interprets one instruction per
   register release, view and shape, and a small model's step is short enough for those to
   show (3,229 builtin calls per decode step of the default model before, about 500 after).
+* On CPU, float32 SiLU legalizes to `x / (1 + fast_exp(-x))` (a vectorizable polynomial
+  exp, accurate to a few ulp) instead of a libm `expf` call per element.
 * PrimFuncs already in the exported module (the paged KV cache's kernels, some of which lack
   the scheduled attribute) are marked scheduled and never touched on CPU.
 """
@@ -20,7 +22,7 @@ Differences from TVM's default llvm pipeline, and why:
 from __future__ import annotations
 
 import tvm
-from tvm import relax, tirx
+from tvm import relax, te, tirx, topi
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 from tvm.target import Target
 
@@ -50,9 +52,29 @@ def accumulate_f16_matmul_in_f32(
     return mod
 
 
-def _legalize_and_fuse() -> list[tvm.transform.Pass]:
+_DEFAULT_SILU = tvm.ir.Op.get("relax.nn.silu").get_attr("FLegalize")
+
+
+def _fast_silu(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """SiLU as `x / (1 + fast_exp(-x))` for float32 on CPU: TVM's default lowers `sigmoid`
+    to a libm `expf` call per element, which LLVM cannot vectorize; `topi.fast_exp` is a
+    polynomial that it can (a 4-token MLP step spends 5x less in SiLU). Other dtypes keep
+    the default legalization."""
+    x = call.args[0]
+    if str(getattr(x.ty, "dtype", "")) != "float32":
+        return _DEFAULT_SILU(bb, call)
+
+    def silu(t: te.Tensor) -> te.Tensor:
+        e = topi.fast_exp(topi.negative(t))
+        return te.compute(t.shape, lambda *i: t(*i) / (tirx.const(1.0, "float32") + e(*i)))
+
+    return bb.call_te(silu, x, primfunc_name_hint="silu")
+
+
+def _legalize_and_fuse(target: Target) -> list[tvm.transform.Pass]:
+    custom = {"relax.nn.silu": _fast_silu} if target.kind.name == "llvm" else None
     return [
-        relax.transform.LegalizeOps(),
+        relax.transform.LegalizeOps(custom),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
@@ -228,7 +250,7 @@ def scheduled_tir_passes(target: Target) -> list[tvm.transform.Pass]:
         schedules = ApplyCPUSchedules(target)
     else:
         schedules = _gpu_schedules()  # every unscheduled GPU kernel needs thread bindings
-    return [*front, relax.transform.FuseTransposeMatmul(), *_legalize_and_fuse(), schedules]
+    return [*front, relax.transform.FuseTransposeMatmul(), *_legalize_and_fuse(target), schedules]
 
 
 def get_pipeline(target: Target, trim_vm: bool = True) -> tvm.transform.Pass:
