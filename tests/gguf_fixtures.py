@@ -57,6 +57,78 @@ def permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
     )
 
 
+# ------------------------------------------------- K-quant blocks (gguf-py cannot write them)
+K_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).astype(np.float16)
+
+
+def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins -> llama.cpp's 12 bytes (the inverse of get_scale_min)."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    out = np.zeros((*sc.shape[:-1], 12), np.uint8)
+    out[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    out[..., 4:8] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    return out
+
+
+def quantize_k(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """[rows, K] float -> [rows, K / 256 * block bytes] uint8 blocks of Q4_K, Q5_K or Q6_K: a
+    plain min/max quantizer (llama.cpp searches scales harder; the layout is what matters)."""
+    rows, k = w.shape
+    x = w.astype(np.float32).reshape(rows, k // 256, -1)  # [rows, blocks, 256]
+    if qtype == Q.Q6_K:
+        g = x.reshape(*x.shape[:2], 16, 16)
+        amax = np.abs(g).max(axis=-1)
+        d = _f16(amax.max(axis=-1) / 31 / 127)
+        d32 = d.astype(np.float32)[..., None]
+        ratio = np.divide(amax / 31, d32, out=np.zeros_like(amax), where=d32 > 0)
+        sc = np.clip(np.ceil(ratio), 0, 127)  # rounded up: no code beyond +-31
+        step = (d32 * sc)[..., None]
+        q = np.clip(np.rint(np.divide(g, step, out=np.zeros_like(g), where=step > 0)), -32, 31)
+        q = (q + 32).astype(np.uint8).reshape(*x.shape[:2], 2, 4, 32)  # [.., half, group, l]
+        lo = q & 15
+        ql = np.concatenate(
+            [lo[..., 0, :] | (lo[..., 2, :] << 4), lo[..., 1, :] | (lo[..., 3, :] << 4)], axis=-1
+        )
+        qh = np.bitwise_or.reduce((q >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=-2)
+        parts = [
+            ql.reshape(*x.shape[:2], 128),
+            qh.reshape(*x.shape[:2], 64),
+            sc.astype(np.int8).view(np.uint8),
+            d[..., None].view(np.uint8),
+        ]
+        return np.concatenate(parts, axis=-1).reshape(rows, -1)
+    levels = 15 if qtype == Q.Q4_K else 31
+    g = x.reshape(*x.shape[:2], 8, 32)
+    lo, hi = np.minimum(g.min(axis=-1), 0), g.max(axis=-1)
+    scale, mins = (hi - lo) / levels, -lo
+    d, dmin = _f16(scale.max(axis=-1) / 63), _f16(mins.max(axis=-1) / 63)
+    d32, m32 = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.rint(np.divide(scale, d32, out=np.zeros_like(scale), where=d32 > 0)), 0, 63)
+    mn = np.clip(np.rint(np.divide(mins, m32, out=np.zeros_like(mins), where=m32 > 0)), 0, 63)
+    step, off = (d32 * sc)[..., None], (m32 * mn)[..., None]
+    q = np.clip(np.rint(np.divide(g + off, step, out=np.zeros_like(g), where=step > 0)), 0, levels)
+    q = q.astype(np.uint8)  # [rows, blocks, 8, 32]
+    qs = (q[..., 0::2, :] & 15) | ((q[..., 1::2, :] & 15) << 4)  # [.., 4, 32]
+    parts = [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), _pack_k_scales(sc, mn)]
+    if qtype == Q.Q5_K:
+        fifth = (q >> 4) << np.arange(8, dtype=np.uint8)[:, None]  # bit g of qh[l]: group g
+        parts.append(np.bitwise_or.reduce(fifth, axis=-2))
+    parts.append(qs.reshape(*x.shape[:2], 128))
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def quantize(array: np.ndarray, qtype: Q) -> np.ndarray:
+    """gguf's quantizer, or ours for the K-quants."""
+    if qtype in K_TYPES:
+        return quantize_k(array, qtype)
+    return gguf.quants.quantize(array.astype(np.float32), qtype)
+
+
 def stored_type(array: np.ndarray, qtype: Q) -> Q:
     """llama.cpp keeps 1-D tensors F32; rows that do not split into blocks stay F32 too."""
     if array.ndim == 1 or qtype == Q.F32:
@@ -70,7 +142,7 @@ def expected(array: np.ndarray, qtype: Q) -> np.ndarray:
     kind = stored_type(array, qtype)
     if kind == Q.F32:
         return array.astype(np.float32)
-    return gguf.quants.dequantize(gguf.quants.quantize(array.astype(np.float32), kind), kind)
+    return gguf.quants.dequantize(quantize(array, kind), kind)
 
 
 def rope_theta(config: dict) -> float:
@@ -103,10 +175,16 @@ def is_table(hf_name: str) -> bool:
 
 
 def write_gguf(
-    folder: Path, path: Path, qtype: Q = Q.F32, pre: str = "gpt-2", table_qtype: Q | None = None
+    folder: Path,
+    path: Path,
+    qtype: Q = Q.F32,
+    pre: str = "gpt-2",
+    table_qtype: Q | None = None,
+    qtype_of=None,
 ) -> Path:
     """Convert the HF checkpoint in `folder` to a GGUF file at `path` (the embedding table and
-    lm_head in `table_qtype` when given)."""
+    lm_head in `table_qtype` when given; `qtype_of(hf_name)`, when given, picks each 2-D
+    tensor's type, as llama.cpp's mixes such as Q4_K_M do)."""
     config = json.loads((folder / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -141,7 +219,9 @@ def write_gguf(
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         table = table_qtype is not None and is_table(hf_name)
         kind = stored_type(array, table_qtype if table else qtype)
-        data = gguf.quants.quantize(array.astype(np.float32), kind)
+        if qtype_of is not None and array.ndim == 2:
+            kind = stored_type(array, qtype_of(hf_name))
+        data = quantize(array, kind)
         writer.add_tensor(name, data, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
     finish(writer)
     return path

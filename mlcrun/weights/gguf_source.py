@@ -19,11 +19,12 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from ..errors import MlcrunError
+from ..quant.gguf_blocks import BLOCK_TYPES
 from .gguf_tokenizer import eos_token_ids, write_tokenizer
 
 # general.architecture -> HF `architectures[0]`
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-READABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+READABLE_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)
 
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",

@@ -202,11 +202,11 @@ def test_garbage_and_missing_files_are_refused(tmp_path):
 
 
 def test_unsupported_tensor_type_is_named(tmp_path):
-    path = tmp_path / "q5k.gguf"
+    path = tmp_path / "q3k.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 176), np.uint8), raw_dtype=Q.Q5_K)
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 110), np.uint8), raw_dtype=Q.Q3_K)
     finish(writer)
-    with pytest.raises(MlcrunError, match="'blk.0.attn_q.weight' has type Q5_K") as info:
+    with pytest.raises(MlcrunError, match="'blk.0.attn_q.weight' has type Q3_K") as info:
         GGUFSource(path)
     assert "\n" not in str(info.value)
 
@@ -236,3 +236,4 @@ def test_llama3_factors_fixture_is_not_trivial():
     rope.update(original_max_position_embeddings=32, rope_theta=500000.0)
     factors = llama3_rope_factors({**config, "rope_parameters": rope})
     assert math.isclose(factors.min(), 1.0) and math.isclose(factors.max(), 8.0)
+

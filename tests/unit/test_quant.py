@@ -325,6 +325,119 @@ def test_gguf_blocks_refused_where_not_exact():
     assert exact_params(get_preset("q4f16_0"), "Q4_1", q4) is None  # no room for Q4_1's min
 
 
+BLOCK_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def _random_blocks(qtype: str, rows: int, blocks_per_row: int) -> np.ndarray:
+    """Every bit of every block random, except the f16 scales (kept finite and small)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from mlcrun.quant.gguf_blocks import blocks
+
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
+    raw = RNG.integers(0, 256, (rows, blocks_per_row * size), dtype=np.uint8)
+    b = blocks(qtype, raw)
+    for field in ("d", "m", "dmin"):
+        if field in b.dtype.names:
+            b[field] = (RNG.standard_normal(b[field].shape) * 0.01).astype(np.float16)
+    return b.view(np.uint8).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_block_decoder_matches_gguf_bit_for_bit(qtype):
+    """Our reading of every block type (codes, scales, mins; K-quants' packed 6-bit scales,
+    5th and 6th bits) equals gguf's dequantizer on random blocks, bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from mlcrun.quant.gguf_blocks import dequantize
+
+    data = _random_blocks(qtype, 5, 3)
+    want = gguf_dequantize(data, GGMLQuantizationType[qtype]).astype(np.float32)
+    got = dequantize(qtype, data)
+    assert got.shape == want.shape == (5, data.shape[1] // _bytes_per_weight(qtype))
+    np.testing.assert_array_equal(got.view(np.uint32), want.reshape(5, -1).view(np.uint32))
+
+
+def _bytes_per_weight(qtype: str) -> float:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    return size / block
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_fixture_writes_blocks_gguf_reads_back(qtype):
+    """The tests' own K-quant writer (gguf-py has none) writes valid blocks: gguf reads back
+    the weights within one quantization step of each group."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf_fixtures import quantize_k
+
+    kind = GGMLQuantizationType[qtype]
+    w = RNG.normal(0, 0.05, (6, 512)).astype(np.float32)
+    w[1, :256] = 0.0  # a flat block
+    w[2, 256:] += 0.3  # a block away from zero
+    back = gguf_dequantize(quantize_k(w, kind), kind).reshape(w.shape)
+    blocks = w.reshape(6, 2, -1)
+    if qtype == "Q6_K":  # symmetric: codes -32..31 over +-max|w|
+        step = 2 * np.abs(blocks).max(axis=-1) / 62
+    else:  # codes 0..levels over [min(w, 0), max(w)]
+        step = (blocks.max(axis=-1) - np.minimum(blocks.min(axis=-1), 0)) / (
+            15 if qtype == "Q4_K" else 31
+        )
+    err = np.abs(back - w).reshape(blocks.shape).max(axis=-1)
+    assert np.all(err <= 0.6 * step + 1e-7), (err / step).max()
+    np.testing.assert_array_equal(back[1, :256], 0.0)
+
+
+@pytest.mark.parametrize(
+    ("qtype", "preset", "activations"),
+    [
+        ("Q5_0", "q8f32", "exact"),
+        ("Q5_0", "q8f32", "int8"),
+        ("Q4_K", "q4f32_1", "exact"),
+        ("Q4_K", "q4f32_1", "int8"),
+    ],
+)
+def test_k_and_5_bit_blocks_become_preset_params_bit_exactly(qtype, preset, activations):
+    """Q5_0 is q8f32 (codes q - 16, scale d) and Q4_K is q4f32_1 (scale d * sc, min
+    -dmin * m per group of 32): random blocks, every param in the preset's declared shape
+    and dtype (and the int8 kernels' layout), reading back gguf's values bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from mlcrun.quant.gguf_blocks import exact_params
+    from mlcrun.quant.transform import to_layout
+
+    data = _random_blocks(qtype, 16, 2)
+    want = gguf_dequantize(data, GGMLQuantizationType[qtype]).reshape(16, -1)
+    p = get_preset(preset)
+    params = exact_params(p, qtype, data)
+    assert params is not None
+    k = want.shape[1]
+    params = to_layout(p, {f"x.{n}": v for n, v in params.items()}, activations)
+    specs = quant_param_specs(p, 16, k, activations)
+    assert {n[2:]: (v.shape, str(v.dtype)) for n, v in params.items()} == specs
+    got = dequantize_params(p, params, activations)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_blocks_without_an_exact_preset_are_refused():
+    """Q5_1 and Q5_K carry a min that q8f32 has no room for, Q6_K groups of 16, Q4_K scales
+    that need float32 in q4f16_1."""
+    from mlcrun.quant.gguf_blocks import exact_params
+
+    for qtype in ("Q5_1", "Q5_K", "Q6_K"):
+        data = _random_blocks(qtype, 2, 1)
+        for preset in ("q8f32", "q4f32_1", "q4f16_1", "q4f16_0", "q0f32"):
+            assert exact_params(get_preset(preset), qtype, data) is None, (qtype, preset)
+    q4k = _random_blocks("Q4_K", 4, 1)
+    assert exact_params(get_preset("q4f16_1"), "Q4_K", q4k) is None  # d * sc: 17 bits
+    assert exact_params(get_preset("q4f16_0"), "Q4_K", q4k) is None
+    assert exact_params(get_preset("q8f32"), "Q4_K", q4k) is None
+
+
 def test_q4_sym_quantizer_writes_llama_cpps_q4_0_blocks():
     """A float weight quantized to q4f16_0 holds the very blocks gguf's (llama.cpp's)
     Q4_0 quantizer writes for it."""
@@ -345,7 +458,7 @@ def test_q4_sym_quantizer_writes_llama_cpps_q4_0_blocks():
 def test_auto_picks_the_preset_of_the_dominant_storage_type():
     from mlcrun.quant.gguf_blocks import auto_preset
 
-    assert auto_preset({"Q4_1": 100, "Q8_0": 3, "F32": 1}, {"Q4_1": 30}) == "q4f16_1"
+    assert auto_preset({"Q4_1": 100, "F32": 1}, {"Q4_1": 30}) == "q4f16_1"
     assert auto_preset({"Q4_1": 100}, {"Q8_0": 30}) == "q4f16_1+q8f32"  # SmolLM2's GGUF
     assert auto_preset({"Q4_0": 10}, {"F32": 5}) == "q4f16_0+q0f32"
     assert auto_preset({"Q4_0": 100}, {"Q8_0": 30}) == "q4f16_0+q8f32"  # llama.cpp's Q4_0
@@ -359,6 +472,15 @@ def test_auto_picks_the_preset_of_the_dominant_storage_type():
     assert auto_preset({"BF16": 5}, {"F32": 5}) == "q0bf16+q0f32"
     assert auto_preset({"F32": 5}, {"F32": 5}) == "q0f32"
     assert auto_preset({}, {}) == "q0f32"
+    # K-quants: exact where a preset holds the blocks, q8f32 where none does, and never a
+    # 4-bit preset for layers with wider tensors (the Gemma 3 270M "Q4_K_M" file's mix)
+    assert auto_preset({"Q4_K": 100}, {"Q8_0": 30}) == "q4f32_1+q8f32"
+    assert auto_preset({"Q5_0": 100}, {"Q5_0": 30}) == "q8f32"
+    assert auto_preset({"Q6_K": 100}, {"Q6_K": 30}) == "q8f32"
+    assert auto_preset({"Q5_K": 100, "Q6_K": 10}, {}) == "q8f32"
+    assert auto_preset({"Q4_K": 100, "Q6_K": 20}, {"Q6_K": 30}) == "q8f32"
+    assert auto_preset({"Q5_0": 60, "Q4_K": 30, "Q6_K": 9, "Q8_0": 6}, {"Q8_0": 30}) == "q8f32"
+    assert auto_preset({"Q4_1": 100, "Q8_0": 3}, {"Q8_0": 30}) == "q8f32"  # no tensor narrowed
 
 
 def test_mixed_preset_stores_tables_in_the_second_format():
