@@ -28,3 +28,11 @@ KV_AVAILABLE_PAGES = "vm.builtin.attention_kv_cache_get_num_available_pages"
 KV_TOTAL_LENGTH = "vm.builtin.attention_kv_cache_get_total_sequence_length"
 KV_SEQUENCE_LENGTH = "vm.builtin.attention_kv_cache_get_sequence_length"
 KV_ENABLE_SLIDING_WINDOW = "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq"
+
+
+def local_chunk(window: int | None) -> int | None:
+    """The most tokens of one sequence a forward may append when the model has sliding
+    (local) layers: TVM's cache windows the cached keys of such a layer but not the chunk's
+    own (plain causal attention), and a chunk as long as the window leaves the windowed part
+    empty (NaN): window - 1 tokens keep every row exact (tests/compiled/test_gemma3.py)."""
+    return max(window - 1, 1) if window else None

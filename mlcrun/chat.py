@@ -70,6 +70,7 @@ class Conversation:
     messages: list[dict[str, Any]] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
     last: Turn | None = None
+    raw: bool = False  # continue each prompt as plain text: no chat template, no history
 
     def reset(self) -> None:
         self.messages = []
@@ -83,6 +84,13 @@ class Conversation:
         if tokenizer is None:
             raise MlcrunError("this model has no tokenizer; chat needs one")
         window = self.llm.model.artifact.context_window
+        if self.raw:
+            ids = tokenizer.encode(self.messages[-1]["content"])
+            if len(ids) >= window:
+                raise MlcrunError(
+                    f"this prompt is {len(ids)} tokens, over the context window ({window})"
+                )
+            return ids
         while True:
             ids = tokenizer.apply_chat_template(self._all_messages(), add_generation_prompt=True)
             if len(ids) + min(self.params.max_tokens, 64) < window or len(self.messages) <= 1:
@@ -119,7 +127,10 @@ class Conversation:
                     yield out.delta_text
         finally:
             text = "".join(answer)
-            self.messages.append({"role": "assistant", "content": text})
+            if self.raw:
+                self.messages = []
+            else:
+                self.messages.append({"role": "assistant", "content": text})
             if final is not None:
                 m = final.metrics
                 self.last = Turn(

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import speculation
+from .abi import local_chunk
 from .engine.config import EngineConfig
 from .engine.engine import Engine
 from .engine.types import RequestOutput, SamplingParams
@@ -49,6 +50,10 @@ class LLM:
         )
         if self.model.config.sliding_window:
             config = replace(config, prefix_cache=False)  # windowed sequences cannot be forked
+        chunk = local_chunk(self.model.config.local_window)
+        if chunk:  # Gemma 3: forks past the window are unverified; chunks must fit in it
+            chunk = min(config.prefill_chunk_size, chunk)
+            config = replace(config, prefix_cache=False, prefill_chunk_size=chunk)
         self.engine_config = config
         self.draft = None
         context_window, costs, costs_path = art.context_window, None, None

@@ -24,6 +24,11 @@ COSTS_VERSION = 2  # 2: fastest of 5 calls (was the median of 3)
 
 
 def check_target(model: Model, config: EngineConfig) -> None:
+    if model.config.local_window:
+        raise MlcrunError(
+            f"speculative_mode {config.speculative_mode!r}: models with sliding-window layers "
+            "(Gemma 3) cannot verify token trees yet; use speculative_mode 'none'"
+        )
     if model.config.sliding_window:
         raise MlcrunError(
             f"speculative_mode {config.speculative_mode!r}: sliding-window models (Mistral) "
@@ -49,7 +54,7 @@ def load_draft(
     draft = Model(folder, num_threads=num_threads)
     if config.speculative_mode == "draft":
         _check_same_tokenizer(target, tokenizer, draft)
-    if draft.config.sliding_window:
+    if draft.config.sliding_window or draft.config.local_window:
         raise MlcrunError(f"draft model {folder}: sliding-window models cannot draft token trees")
     return draft
 

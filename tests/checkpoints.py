@@ -43,6 +43,26 @@ ARCHS = {
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+    # Gemma 3: 3 layers (sliding, full, sliding), a window of 20 keys (over two KV pages of
+    # 16), head_dim apart from
+    # hidden / heads, a score scale apart from head_dim, and the two RoPE bases
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=20,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            tie_word_embeddings=True,
+            pad_token_id=0,
+        ),
+    ),
 }
 
 

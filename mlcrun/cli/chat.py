@@ -6,6 +6,7 @@ import sys
 
 import typer
 
+from ..errors import MlcrunError
 from .common import (
     DRAFT_MODEL,
     DRAFT_QUANTIZATION,
@@ -27,6 +28,12 @@ def chat_command(
     model: str = MODEL_ARGUMENT,
     prompt: str = typer.Option(None, "--prompt", "-p", help="Ask once, print the answer, exit."),
     system: str = typer.Option(None, "--system", help="System message."),
+    raw: bool = typer.Option(
+        False,
+        "--raw",
+        help="Continue each prompt as plain text, without the chat template or history "
+        "(for base models).",
+    ),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     quantization: str = typer.Option(
         None,
@@ -58,6 +65,8 @@ def chat_command(
 ) -> None:
     """Chat with a model: an interactive REPL, or one answer per --prompt / stdin line."""
     setup_logging(verbose)
+    if raw and system:
+        raise MlcrunError("--raw continues plain text: it takes no --system message")
     from ..chat import Conversation
     from ..engine.config import EngineConfig
     from ..engine.types import SamplingParams
@@ -88,7 +97,7 @@ def chat_command(
         model, quantization=quantization, device=device, context_window=context_window
     )
     llm = LLM(folder, engine_config=EngineConfig(mode="interactive", **spec))
-    conv = Conversation(llm, params, system=system)
+    conv = Conversation(llm, params, system=system, raw=raw)
     if prompt is not None:
         _answer(conv, prompt, json_out)
     elif not sys.stdin.isatty():

@@ -8,6 +8,7 @@ paging, forking and tree attention. Everything a family does differently is a fl
 
 from __future__ import annotations
 
+import numpy as np
 from tvm import relax as rx
 from tvm import tirx
 from tvm.relax.frontend import nn
@@ -30,48 +31,92 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = nn.RMSNorm(cfg.head_dim, -1, cfg.rms_norm_eps, bias=False)
             self.k_norm = nn.RMSNorm(cfg.head_dim, -1, cfg.rms_norm_eps, bias=False)
+        self.sm_scale = float(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 
-    def forward(self, x: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
+    def forward(self, x: Tensor, kv: PagedKVCache, layer_id: int, rope=None) -> Tensor:
+        """`rope`: (cos, sin) [b, s, 1, head_dim] when the model applies RoPE itself."""
         b, s, _ = x.shape
         # [b, s, num_q + 2 * num_kv, head_dim]
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q + 2 * self.num_kv, self.head_dim))
-        if self.qk_norm:
+        if self.qk_norm or rope is not None:
             q, k, v = op.split(qkv, [self.num_q, self.num_q + self.num_kv], axis=2)
-            qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if rope is not None:
+                q, k = _rotate(q, *rope), _rotate(k, *rope)
+            qkv = op.concat([q, k, v], dim=2)
         if qkv.dtype != self.kv_dtype:  # TVM's cache takes and returns rows of its own dtype
             qkv = qkv.astype(self.kv_dtype)
-        out = kv.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.head_dim**-0.5)
+        out = kv.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.sm_scale)
         if out.dtype != x.dtype:
             out = out.astype(x.dtype)
         return self.o_proj(op.reshape(out, (b, s, self.num_q * self.head_dim)))
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF's rotate-half RoPE: x * cos + [-x2, x1] * sin."""
+    x1, x2 = op.split(x, 2, axis=-1)
+    return x * cos + op.concat([op.negative(x2), x1], dim=-1) * sin
+
+
+def rope_tables(positions: Tensor, theta: float, dim: int, scaling: dict | None, b, s):
+    """(cos, sin) [b, s, 1, dim] of each query token's position, as transformers computes
+    them: inverse frequencies 1 / theta ** (2i / dim) in float32 (divided by the factor of
+    "linear" scaling), times the position, cos/sin of [f, f]."""
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv = (np.float32(1.0) / np.power(np.float32(theta), exponent)).astype(np.float32)
+    if scaling and scaling.get("rope_type") == "linear":
+        inv = (inv / np.float32(scaling["factor"])).astype(np.float32)
+    inv_t = nn.wrap_nested(rx.const(inv.reshape(1, -1)), name="inv_freq")
+    freqs = op.reshape(positions.astype("float32"), (b * s, 1)) * inv_t  # [b*s, dim/2]
+    emb = op.reshape(op.concat([freqs, freqs], dim=-1), (b, s, 1, dim))
+    cos = nn.wrap_nested(rx.op.cos(emb._expr), name="rope_cos")
+    sin = nn.wrap_nested(rx.op.sin(emb._expr), name="rope_sin")
+    return cos, sin
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_activation == "gelu_tanh"
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+        gate = op.gelu(gate, approximate="tanh") if self.gelu else op.silu(gate)
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual blocks; with `sandwich_norms` (Gemma 3) the attention's and the MLP's
+    outputs are normed too: x + post_attention_layernorm(attn(input_layernorm(x))), then
+    h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))."""
+
     def __init__(self, cfg: ModelConfig, kv_dtype: str = "float32"):
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+        def norm():
+            return nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+
+        self.sandwich = cfg.sandwich_norms
+        self.input_layernorm = norm()
         self.self_attn = Attention(cfg, kv_dtype)
-        self.post_attention_layernorm = nn.RMSNorm(
-            cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False
-        )
+        self.post_attention_layernorm = norm()
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), kv, layer_id)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, kv: PagedKVCache, layer_id: int, rope=None) -> Tensor:
+        attn = self.self_attn(self.input_layernorm(x), kv, layer_id, rope)
+        if not self.sandwich:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, kv_dtype: str = "float32"):
+        self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             [DecoderLayer(cfg, kv_dtype) for _ in range(cfg.num_hidden_layers)]
@@ -79,8 +124,20 @@ class DecoderModel(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
 
     def forward(self, x: Tensor, kv: PagedKVCache) -> Tensor:
+        cfg, ropes = self.cfg, {}
+        if cfg.rope_in_graph:  # one (cos, sin) table per RoPE base, shared by its layers
+            b, s = x.shape[0], x.shape[1]
+            positions = kv.get_query_positions(b * s)
+            bases = {
+                "full_attention": (cfg.rope_theta, cfg.rope_scaling),
+                "sliding_attention": (cfg.local_rope_theta or cfg.rope_theta, None),
+            }
+            for kind in dict.fromkeys(cfg.layer_types):
+                theta, scaling = bases[kind]
+                ropes[kind] = rope_tables(positions, theta, cfg.head_dim, scaling, b, s)
         for layer_id, layer in enumerate(self.layers):
-            x = layer(x, kv, layer_id)
+            rope = ropes[cfg.layer_types[layer_id]] if ropes else None
+            x = layer(x, kv, layer_id, rope)
         return self.norm(x)
 
 
@@ -110,8 +167,13 @@ class DecoderLM(nn.Module):
         # [num_tokens] -> [num_tokens, hidden]
         emb = self.model.embed_tokens
         if hasattr(emb, "lookup"):  # a quantized table: rows dequantized on the fly
-            return emb.lookup(input_ids)
-        return take(emb.weight, input_ids, axis=0)
+            rows = emb.lookup(input_ids)
+        else:
+            rows = take(emb.weight, input_ids, axis=0)
+        if self.cfg.embed_scale is not None:  # Gemma: sqrt(hidden), rounded to float32
+            scale = nn.wrap_nested(rx.const(np.float32(self.cfg.embed_scale)), name="embed_scale")
+            rows = rows * scale
+        return rows
 
     def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, kv: PagedKVCache):
         # input_embeds [1, total_tokens, hidden]; logit_positions [batch]: one row per sequence
@@ -136,10 +198,17 @@ class DecoderLM(nn.Module):
         support_sliding_window: tirx.Var,
     ) -> PagedKVCache:
         cfg = self.cfg
-        return TIRPagedKVCache(
+        extra = {}
+        if cfg.layer_types:  # Gemma 3: windowed layers in the cache, RoPE in the model
+            kinds = {"full_attention": "mha", "sliding_attention": "mha_sliding"}
+            attn_kind = [kinds[t] for t in cfg.layer_types]
+            extra["layer_sliding_window_size"] = cfg.local_window or cfg.max_position_embeddings
+        else:
             # A sliding window is switched on per sequence at run time
             # (enable_sliding_window_for_seq); see runtime/model.py for its exact semantics.
-            attn_kind="mha",
+            attn_kind = "mha"
+        return TIRPagedKVCache(
+            attn_kind=attn_kind,
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size,
@@ -153,7 +222,7 @@ class DecoderLM(nn.Module):
             v_head_dim=cfg.head_dim,
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL,
+            rope_mode=RopeMode.NONE if cfg.rope_in_graph else RopeMode.NORMAL,
             rope_scale=1,
             rope_theta=cfg.rope_theta,
             rope_scaling=cfg.rope_scaling or {},
@@ -162,6 +231,7 @@ class DecoderLM(nn.Module):
             enable_disaggregation=False,
             dtype=self.kv_dtype,
             target=tvm_target(),
+            **extra,
         )
 
     activation_dtype = "float32"

@@ -36,6 +36,15 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral-style window over the last N keys
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 3 (each off for the other families)
+    hidden_activation: str = "silu"  # the MLP gate's: "silu" or "gelu_tanh"
+    sandwich_norms: bool = False  # RMSNorm after attention and after the MLP too
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w): 1 for Gemma's (1 + w)
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 (else head_dim's)
+    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" | "sliding_attention"
+    local_window: int | None = None  # keys a sliding_attention layer sees, the query included
+    local_rope_theta: float | None = None  # RoPE base of the sliding_attention layers
 
     def __post_init__(self) -> None:
         for name in (
@@ -60,11 +69,25 @@ class ModelConfig:
             raise MlcrunError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", "default")
-            if kind not in _ROPE_KINDS:
+            if kind not in _ROPE_KINDS and not (self.layer_types and kind == "linear"):
                 raise MlcrunError(
                     f"config.json: rope_scaling type {kind!r} is not supported "
                     f"(supported: {', '.join(_ROPE_KINDS)})"
                 )
+        if self.hidden_activation not in ("silu", "gelu_tanh"):
+            raise MlcrunError(
+                f"config.json: hidden activation {self.hidden_activation!r} is not supported "
+                "(supported: silu, gelu_pytorch_tanh)"
+            )
+        if self.layer_types:
+            kinds = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            if kinds or len(self.layer_types) != self.num_hidden_layers:
+                raise MlcrunError(
+                    "config.json: layer_types must give full_attention or sliding_attention "
+                    f"for each of the {self.num_hidden_layers} layers"
+                )
+            if "sliding_attention" in self.layer_types and not (self.local_window or 0) > 0:
+                raise MlcrunError("config.json: sliding_attention layers need a sliding_window")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise MlcrunError(
                 f"config.json: sliding_window must be positive, got {self.sliding_window}"
@@ -73,6 +96,7 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["eos_token_ids"] = list(self.eos_token_ids)
+        data["layer_types"] = list(self.layer_types)
         return data
 
     @classmethod
@@ -80,7 +104,13 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
         kwargs["eos_token_ids"] = tuple(kwargs.get("eos_token_ids", ()))
+        kwargs["layer_types"] = tuple(kwargs.get("layer_types", ()))
         return cls(**kwargs)
+
+    @property
+    def rope_in_graph(self) -> bool:
+        """RoPE applied by the model (one base per layer kind), not by the KV cache."""
+        return bool(self.layer_types)
 
 
 def require(hf: dict[str, Any], key: str) -> Any:

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import MlcrunError
 from ..weights.mapping import WeightMap
-from . import llama, mistral, qwen2, qwen3
+from . import gemma3, llama, mistral, qwen2, qwen3
 from .config import ModelConfig
 from .weight_map import decoder_weight_map
 
@@ -23,6 +23,7 @@ class ArchSpec:
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.name: spec
     for spec in (
+        ArchSpec("Gemma3ForCausalLM", gemma3.config_from_hf, decoder_weight_map),
         ArchSpec("LlamaForCausalLM", llama.config_from_hf, decoder_weight_map),
         ArchSpec("MistralForCausalLM", mistral.config_from_hf, decoder_weight_map),
         ArchSpec("Qwen2ForCausalLM", qwen2.config_from_hf, decoder_weight_map),

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .. import abi, artifact
+from ..abi import local_chunk
 from ..errors import MlcrunError
 from . import ffi
 from .library import device_for, load_params, load_vm, set_num_threads
@@ -39,6 +40,7 @@ class ModelShape:
     head_dim: int
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    local_window: int | None = None  # Gemma 3's sliding layers (a window per layer kind)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelShape:
@@ -51,6 +53,7 @@ class ModelShape:
                 head_dim=int(data["head_dim"]),
                 sliding_window=data.get("sliding_window"),
                 eos_token_ids=tuple(int(t) for t in data.get("eos_token_ids", ())),
+                local_window=data.get("local_window"),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise MlcrunError(
@@ -298,7 +301,12 @@ class Model:
         self._check_batch(seq_ids, lengths, embeddings)
         window = self.config.sliding_window
         if window and any(self.sequence_length(s) + n > window for s, n in zip(seq_ids, lengths)):
-            return self._prefill_windowed(embeddings, seq_ids, lengths, window)
+            return self._prefill_in_steps(
+                embeddings, seq_ids, lengths, lambda s: max(window - self.sequence_length(s), 1)
+            )
+        chunk = local_chunk(self.config.local_window)
+        if chunk and max(lengths) > chunk:
+            return self._prefill_in_steps(embeddings, seq_ids, lengths, lambda s: chunk)
         return self._prefill(embeddings, seq_ids, lengths)
 
     def _prefill(self, embeddings, seq_ids, lengths) -> np.ndarray:
@@ -310,8 +318,9 @@ class Model:
         )
         return ffi.as_numpy(out[0])[0]
 
-    def _prefill_windowed(self, embeddings, seq_ids, lengths, window) -> np.ndarray:
-        """Whole chunks until a sequence reaches the window, then one token per step."""
+    def _prefill_in_steps(self, embeddings, seq_ids, lengths, room) -> np.ndarray:
+        """Chunks of at most `room(seq_id)` tokens per sequence and call (Mistral's window:
+        whole chunks until a sequence reaches it, then one token per step)."""
         emb = ffi.as_numpy(embeddings)
         starts = np.concatenate([[0], np.cumsum(lengths)])
         logits = np.zeros((len(seq_ids), self.vocab_size), np.float32)
@@ -319,8 +328,7 @@ class Model:
         while todo:
             batch, rows = [], []
             for i, (begin, end) in todo.items():
-                room = max(window - self.sequence_length(seq_ids[i]), 1)
-                take = min(end - begin, room)
+                take = min(end - begin, room(seq_ids[i]))
                 batch.append((i, take))
                 rows.append(emb[begin : begin + take])
             out = self._prefill(
@@ -360,6 +368,11 @@ class Model:
         """Score a token tree per sequence in one pass. `token_tree_parent_ptr` holds, for every
         node, its parent's index within its own sequence's tree (-1 for a root). Returns logits
         for every node [sum(lengths), vocab]. Call commit_accepted_token_tree_nodes afterwards."""
+        if self.config.local_window:
+            raise MlcrunError(
+                "token trees over sliding-window layers (Gemma 3) are not supported: TVM 0.27's "
+                "cache does not window a tree's attention"
+            )
         self._check_batch(seq_ids, lengths, embeddings)
         parents = list(token_tree_parent_ptr)
         if len(parents) != sum(lengths):

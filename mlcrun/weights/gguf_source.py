@@ -23,7 +23,11 @@ from ..quant.gguf_blocks import BLOCK_TYPES
 from .gguf_tokenizer import eos_token_ids, write_tokenizer
 
 # general.architecture -> HF `architectures[0]`
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "gemma3": "Gemma3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 READABLE_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)
 
 _TOP_LEVEL = {
@@ -42,15 +46,25 @@ _BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms around attention and the MLP (llama's ffn_norm is its post_attention_layernorm)
+_GEMMA3_BLOCK = {
+    **_BLOCK,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling factors; folded into the config
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """The HF name of a GGUF tensor; names we do not know are kept as they are."""
     match = _BLOCK_NAME.fullmatch(gguf_name)
-    if match and match[2] in _BLOCK:
-        return f"model.layers.{match[1]}.{_BLOCK[match[2]]}.{match[3]}"
+    block = _GEMMA3_BLOCK if arch == "gemma3" else _BLOCK
+    if match and match[2] in block:
+        return f"model.layers.{match[1]}.{block[match[2]]}.{match[3]}"
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_LEVEL:
         return f"{_TOP_LEVEL[stem]}.{suffix}"
@@ -76,7 +90,7 @@ class GGUFSource:
                     f"{self.path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
                     f"which mlcrun cannot read (supported: {', '.join(READABLE_TYPES)})"
                 )
-            name = hf_tensor_name(tensor.name)
+            name = hf_tensor_name(tensor.name, arch)
             heads = 0
             # llama.cpp's LlamaModel.permute reorders q/k rows (per head: interleaved RoPE
             # pairs); qwen2 is converted without it.
@@ -89,6 +103,8 @@ class GGUFSource:
                     f"{self.path}: tensor {tensor.name!r} rows do not split into heads"
                 )
             self._tensors[name] = (tensor, heads)
+        # llama.cpp stores Gemma's RMSNorm weights as 1 + w; HF checkpoints hold w
+        self._minus_one = arch == "gemma3"
 
     @staticmethod
     def _shape(tensor: Any) -> tuple[int, ...]:
@@ -112,6 +128,8 @@ class GGUFSource:
         tensor, heads = self._tensors[name]
         array = dequantize(tensor.data, tensor.tensor_type)
         array = np.asarray(array, dtype=np.float32).reshape(self.shape(name))
+        if self._minus_one and name.endswith("norm.weight"):
+            array = array - np.float32(1.0)
         return _unpermute(array, heads) if heads else array
 
     def raw(self, name: str) -> tuple[str, np.ndarray]:
@@ -237,8 +255,10 @@ def _read_hf_config(reader: GGUFReader, meta: dict[str, Any], path: Path) -> dic
         config["head_dim"] = head_dim
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    else:
+    elif arch == "qwen2":
         config["use_sliding_window"] = False
+    else:
+        config.update(_gemma3_config(meta, arch, heads, hidden, head_dim))
     if isinstance(meta.get("tokenizer.ggml.bos_token_id"), int):
         config["bos_token_id"] = meta["tokenizer.ggml.bos_token_id"]
     eos = eos_token_ids(meta)
@@ -247,6 +267,33 @@ def _read_hf_config(reader: GGUFReader, meta: dict[str, Any], path: Path) -> dic
     scaling = _rope_scaling(meta, arch, tensors.get(_ROPE_FREQS), theta, head_dim, path)
     if scaling:
         config["rope_scaling"] = scaling
+    return config
+
+
+def _gemma3_config(meta, arch: str, heads: int, hidden: int, head_dim: int) -> dict[str, Any]:
+    """What llama.cpp's converter leaves out of a Gemma 3 file, with llama.cpp's defaults:
+    the sliding layers' RoPE base (10000), every sixth layer full, and the score scale
+    (1/sqrt(head_dim); 1/sqrt(hidden / heads) for the 27B model)."""
+    layers = int(meta[f"{arch}.block_count"])
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == layers:  # per layer: true = sliding
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        every = int(pattern) if isinstance(pattern, int) and pattern > 0 else 6
+        types = [
+            "sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)
+        ]
+    is_27b = layers == 62 and hidden == 5376
+    config: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": types,
+        "rope_local_base_freq": _f32(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": hidden // heads if is_27b else head_dim,
+    }
+    if f"{arch}.attention.sliding_window" in meta:
+        config["sliding_window"] = int(meta[f"{arch}.attention.sliding_window"])
+    if f"{arch}.final_logit_softcapping" in meta:
+        config["final_logit_softcapping"] = _f32(meta[f"{arch}.final_logit_softcapping"])
     return config
 
 

@@ -52,13 +52,46 @@ PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
 _SAMPLING = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k"}
 
 
+# End-of-turn pieces llama.cpp recognizes by text when a file names no eot id (llama-vocab.cpp)
+_EOT_PIECES = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")
+
+# Gemma 3's chat template (text only), for Gemma 3 files that carry none: llama.cpp's
+# converter often leaves tokenizer.chat_template out, and llama.cpp then uses its built-in one.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
 def eos_token_ids(meta: dict[str, Any]) -> list[int]:
-    """eos plus end-of-turn / end-of-message ids: each ends generation in llama.cpp."""
+    """eos plus end-of-turn / end-of-message ids: each ends generation in llama.cpp. A file
+    that names no eot id gets the id of a known end-of-turn control piece (Gemma's
+    <end_of_turn>), as llama.cpp finds it."""
     ids: list[int] = []
     for key in ("eos", "eot", "eom"):
         value = meta.get(f"tokenizer.ggml.{key}_token_id")
         if isinstance(value, int) and value >= 0 and value not in ids:
             ids.append(value)
+    if "tokenizer.ggml.eot_token_id" not in meta:
+        tokens = meta.get("tokenizer.ggml.tokens") or []
+        types = meta.get("tokenizer.ggml.token_type") or []
+        for i, piece in enumerate(tokens):
+            if piece in _EOT_PIECES and i < len(types) and types[i] == CONTROL and i not in ids:
+                ids.append(i)
     return ids
 
 
@@ -118,6 +151,8 @@ def build_tokenizer(meta: dict[str, Any], path: Path) -> tuple[Tokenizer, dict[s
         "clean_up_tokenization_spaces": False,
     }
     template = meta.get("tokenizer.chat_template")
+    if not isinstance(template, str) and meta.get("general.architecture") == "gemma3":
+        template = GEMMA3_CHAT_TEMPLATE
     if isinstance(template, str):
         config["chat_template"] = template
     return backend, config

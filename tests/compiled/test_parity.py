@@ -156,7 +156,7 @@ def test_fp16_kv_cache(name, checkpoints, fp16_kv_artifacts):
         np.testing.assert_allclose(
             logits[0], expected_long[done - 1], atol=FP16_KV_TOL, rtol=0, err_msg=f"{done}"
         )
-    if model.config.sliding_window:
+    if model.config.sliding_window or model.config.local_window:  # refused: see test_gemma3
         return  # TVM 0.27 cannot verify token trees with a sliding window
     logits = model.batch_verify(model.token_embed(tree), [2], [len(tree)], parents)
     for node, want in enumerate(expected_tree):

@@ -95,9 +95,10 @@ def test_a_draft_model_is_exact_with_trees_and_stop_strings_max_tokens_and_the_w
         assert got.finish_reason == "length" and len(got.token_ids) == 6
 
 
-def test_sliding_window_targets_are_refused(artifacts):
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3"])
+def test_sliding_window_targets_are_refused(artifacts, name):
     with pytest.raises(MlcrunError, match="sliding-window"):
-        spec(artifacts("mistral-window"), "ngram")
+        spec(artifacts(name), "ngram")
 
 
 def test_a_draft_with_another_tokenizer_is_refused(artifacts, tmp_path):

