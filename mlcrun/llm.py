@@ -21,6 +21,32 @@ log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 
+# generation_config.json keys that become sampling defaults -> SamplingParams fields
+GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def generation_defaults(generation: dict) -> dict:
+    """The sampling defaults in an artifact's generation settings (values SamplingParams
+    refuses are skipped with a warning, not fatal: the checkpoint's file is not the user's)."""
+    defaults = {}
+    for key, field in GENERATION_KEYS.items():
+        value = generation.get(key)
+        if value is None or isinstance(value, bool):
+            continue
+        try:
+            SamplingParams(**{field: value})
+        except MlcrunError as err:
+            log.warning("generation_config.json: ignoring %s (%s)", key, err)
+            continue
+        defaults[field] = value
+    return defaults
+
 
 class LLM:
     def __init__(
@@ -37,6 +63,8 @@ class LLM:
             if "tokenizer.json" in art.tokenizer_files
             else None
         )
+        if self.tokenizer is not None and art.chat_template is not None:
+            self.tokenizer.chat_template = art.chat_template  # the one the compile recorded
         eos = set(self.model.config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
@@ -78,6 +106,14 @@ class LLM:
         if costs_path is not None and costs is None:
             speculation.save_costs(costs_path, self.engine.costs)
         self._ids = itertools.count()
+        self.generation_defaults = generation_defaults(art.generation)
+
+    def sampling_params(self, **given) -> SamplingParams:
+        """SamplingParams from what the caller gives (None: not given), else the checkpoint's
+        generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, as
+        vLLM's `--generation-config auto`), else SamplingParams' own defaults."""
+        given = {k: v for k, v in given.items() if v is not None}
+        return SamplingParams(**{**self.generation_defaults, **given})
 
     def _decoder(self, prompt: list[int]):
         return self.tokenizer.stream(prefix_ids=prompt[-4:])
@@ -124,7 +160,7 @@ class LLM:
             prompts = [prompts]  # a single prompt
         encoded = [self._encode(p) for p in prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(encoded)
         if len(sampling_params) != len(encoded):

@@ -86,6 +86,14 @@ def _int_ids(value: Any) -> list[int]:
     return []
 
 
+def read_chat_template(folder: str | Path) -> str | None:
+    """The chat template a checkpoint or artifact folder defines (chat_template.jinja, then
+    tokenizer_config.json, then chat_template.json): what the compile stores in the artifact
+    and what `Tokenizer.from_dir` uses."""
+    folder = Path(folder)
+    return _chat_template(folder, _read_json(folder / "tokenizer_config.json"))
+
+
 def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     """The default chat template: chat_template.jinja wins over tokenizer_config.json."""
     jinja_file = folder / "chat_template.jinja"

@@ -22,6 +22,8 @@ from .common import (
     speculation_options,
 )
 
+CHAT_TEMPERATURE, CHAT_TOP_P = 0.7, 0.95  # when neither a flag nor the model says
+
 
 @handle_errors
 def chat_command(
@@ -41,11 +43,19 @@ def chat_command(
         "-q",
         help="Preset when compiling (default: auto, the checkpoint's own precision).",
     ),
-    temperature: float = typer.Option(0.7, "--temperature"),
-    top_p: float = typer.Option(0.95, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
-    min_p: float = typer.Option(0.0, "--min-p"),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
+    temperature: float = typer.Option(
+        None,
+        "--temperature",
+        help=f"Default: the model's generation_config.json, else {CHAT_TEMPERATURE}.",
+    ),
+    top_p: float = typer.Option(
+        None, "--top-p", help=f"Default: the model's generation_config.json, else {CHAT_TOP_P}."
+    ),
+    top_k: int = typer.Option(None, "--top-k", help="Default: the model's, else 0 (off)."),
+    min_p: float = typer.Option(None, "--min-p", help="Default: the model's, else 0 (off)."),
+    repetition_penalty: float = typer.Option(
+        None, "--repetition-penalty", help="Default: the model's, else 1 (off)."
+    ),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
     presence_penalty: float = typer.Option(0.0, "--presence-penalty"),
     seed: int = typer.Option(None, "--seed"),
@@ -72,7 +82,7 @@ def chat_command(
     from ..engine.types import SamplingParams
     from ..llm import LLM
 
-    params = SamplingParams(
+    given = dict(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -84,6 +94,8 @@ def chat_command(
         seed=seed,
         stop=tuple(stop or ()),
     )
+    given = {k: v for k, v in given.items() if v is not None}
+    SamplingParams(**given)  # bad values fail before the model loads
     spec = speculation_options(
         speculative_mode,
         spec_draft_length,
@@ -97,6 +109,8 @@ def chat_command(
         model, quantization=quantization, device=device, context_window=context_window
     )
     llm = LLM(folder, engine_config=EngineConfig(mode="interactive", **spec))
+    fallback = {"temperature": CHAT_TEMPERATURE, "top_p": CHAT_TOP_P}  # a chat's usual sampling
+    params = SamplingParams(**{**fallback, **llm.generation_defaults, **given})
     conv = Conversation(llm, params, system=system, raw=raw)
     if prompt is not None:
         _answer(conv, prompt, json_out)

@@ -17,6 +17,7 @@ from .. import __version__, abi, artifact
 from ..errors import MlcrunError
 from ..models import registry
 from ..models.config import ModelConfig
+from ..tokenizer import read_chat_template
 from ..weights.checkpoint import open_checkpoint
 from .export import attach_metadata, export_model
 from .options import DEFAULT_CONTEXT_CAP, CompileOptions, resolve_activations
@@ -26,7 +27,14 @@ from .target import resolve_target
 
 log = logging.getLogger(__name__)
 
-_GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
+_GENERATION_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+)
 
 
 def compile_model(
@@ -82,7 +90,7 @@ def compile_model(
             mlcrun_version=__version__,
             source_fingerprint=fingerprint,
             tokenizer_files=_copy_tokenizer(folder, tmp),
-            chat_template=_chat_template(folder),
+            chat_template=read_chat_template(folder),
             generation=_generation_defaults(folder),
             activations=activations,
             kv_dtype=options.kv_dtype,
@@ -192,17 +200,6 @@ def _copy_tokenizer(folder: Path, tmp: Path) -> tuple[str, ...]:
             shutil.copy2(folder / name, tmp / name)
             copied.append(name)
     return tuple(copied)
-
-
-def _chat_template(folder: Path) -> str | None:
-    if (folder / "chat_template.jinja").exists():
-        return (folder / "chat_template.jinja").read_text()
-    config = folder / "tokenizer_config.json"
-    if config.exists():
-        template = json.loads(config.read_text()).get("chat_template")
-        if isinstance(template, str):
-            return template
-    return None
 
 
 def _generation_defaults(folder: Path) -> dict:

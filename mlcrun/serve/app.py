@@ -118,7 +118,7 @@ def _routes(app: FastAPI, svc: Service) -> None:
         body.check()
         prompts = await asyncio.to_thread(svc.encode, body.prompt)
         max_tokens = svc.max_tokens(prompts, body.max_tokens, svc.options.default_max_tokens)
-        params = body.sampling_params(max_tokens, body.logprobs)
+        params = body.sampling_params(max_tokens, body.logprobs, svc.llm.generation_defaults)
         return await _run(request, svc, CompletionCall, body, prompts, params)
 
     @app.post("/v1/chat/completions")
@@ -128,7 +128,7 @@ def _routes(app: FastAPI, svc: Service) -> None:
         prompts = [await asyncio.to_thread(_chat_prompt, svc, body)]
         asked, field = body.asked_max_tokens
         max_tokens = svc.max_tokens(prompts, asked, None, param=field)
-        params = body.sampling_params(max_tokens, body.engine_logprobs)
+        params = body.sampling_params(max_tokens, body.engine_logprobs, svc.llm.generation_defaults)
         return await _run(request, svc, ChatCall, body, prompts, params)
 
     @app.post("/v1/tokenize")

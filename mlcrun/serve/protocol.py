@@ -186,7 +186,11 @@ class _Sampling(_Model):
                     param="logit_bias",
                 )
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        """The request's sampling; what it leaves out comes from `defaults` (the model's
+        generation_config.json), then from SamplingParams."""
         given = {
             name: getattr(self, name)
             for name in (
@@ -212,7 +216,7 @@ class _Sampling(_Model):
                 logit_bias=self.logit_bias or {},
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
-                **given,
+                **{**(defaults or {}), **given},
             )
         except MlcrunError as err:
             raise bad_value(err) from None
