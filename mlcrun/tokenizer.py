@@ -9,11 +9,10 @@ transformers layers over it from `tokenizer_config.json` when loading a folder:
 - named special tokens (bos/eos/unk/pad, `additional_special_tokens`, `added_tokens_decoder`)
   missing from tokenizer.json's added tokens are added as special tokens.
 
-Known difference: transformers 5 rebuilds the normalizer/pre-tokenizer of some classes (e.g.
-`LlamaTokenizer`) from scratch instead of reading tokenizer.json, so for a few checkpoints whose
-tokenizer.json uses the legacy `Prepend`+`Replace` normalizer (e.g. Phi-3) its ids differ from
-tokenizer.json's on leading/double spaces and on text right after special tokens. We follow
-tokenizer.json, which is what transformers 4 and the checkpoint itself define.
+- a `LlamaTokenizer`-class BPE tokenizer gets the normalizer, pre-tokenizer and decoder
+  transformers 5 builds for that class instead of tokenizer.json's (`legacy: false`, its
+  default, prepends "▁" only to the text's first piece, not after special tokens; Phi-3's
+  tokenizer.json says otherwise with a `Prepend` normalizer, and transformers 5 wins).
 
 transformers is never imported here.
 """
@@ -84,6 +83,36 @@ def _int_ids(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
+
+
+_LLAMA_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+
+
+def _rebuild_llama_class(backend: tokenizers.Tokenizer, config: dict[str, Any]) -> None:
+    """transformers 5 builds a `LlamaTokenizer`-class tokenizer's text handling itself rather
+    than taking tokenizer.json's: no normalizer, a Metaspace pre-tokenizer that prepends "▁"
+    to the first piece only unless `legacy` is true (after a special token, "first" adds none:
+    Phi-3's `<|user|>\nHi` differs at the second id from the Prepend normalizer's), and the
+    matching decoder. Do the same for such a BPE (SentencePiece-style) tokenizer."""
+    if config.get("tokenizer_class") not in _LLAMA_CLASSES:
+        return
+    if not isinstance(backend.model, tokenizers.models.BPE):
+        return
+    prefix = config.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    scheme = ("always" if config.get("legacy", False) else "first") if prefix else "never"
+    backend.normalizer = None
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme=scheme, split=False
+    )
+    steps = [
+        tokenizers.decoders.Replace("▁", " "),
+        tokenizers.decoders.ByteFallback(),
+        tokenizers.decoders.Fuse(),
+    ]
+    if prefix:
+        steps.append(tokenizers.decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = tokenizers.decoders.Sequence(steps)
 
 
 def read_chat_template(folder: str | Path) -> str | None:
@@ -162,6 +191,7 @@ class Tokenizer:
         config.update(_read_json(folder / "tokenizer_config.json"))
         named = {key: _token_content(config.get(key)) for key in _NAMED_SPECIAL_TOKENS}
         _add_missing_special_tokens(backend, config)
+        _rebuild_llama_class(backend, config)
         if "add_bos_token" in config or "add_eos_token" in config:
             _set_template_post_processor(
                 backend,

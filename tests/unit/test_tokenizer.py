@@ -380,3 +380,49 @@ def test_tokenizer_files_names() -> None:
     assert TOKENIZER_FILES[0] == "tokenizer.json"
     for name in ("tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
         assert name in TOKENIZER_FILES
+
+
+def _phi3_style(folder: Path, legacy: bool | None) -> Path:
+    """The SentencePiece-style BPE with Phi-3's tokenizer.json text handling (a `Prepend "▁"`
+    + `Replace " " -> "▁"` normalizer, no pre-tokenizer), chat markers as special tokens, and
+    a `LlamaTokenizer` tokenizer_config.json (`legacy` as given; absent means false)."""
+    data = json.loads(_train_sentencepiece_style().to_str())
+    data["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        ],
+    }
+    data["pre_tokenizer"] = None
+    backend = HFTokenizer.from_str(json.dumps(data))
+    backend.add_special_tokens(["<|user|>", "<|end|>", "<|assistant|>"])
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "clean_up_tokenization_spaces": False,
+    }
+    if legacy is not None:
+        config["legacy"] = legacy
+    return _save(folder, backend, config)
+
+
+@pytest.mark.parametrize("legacy", [False, None, True])
+def test_llama_class_follows_transformers_not_tokenizer_json(tmp_path: Path, legacy) -> None:
+    """transformers 5 rebuilds a LlamaTokenizer's text handling: with legacy false (or absent)
+    no "▁" goes in front of text after a special token, which tokenizer.json's Prepend
+    normalizer would add (Phi-3's chat prompts differed at the second id)."""
+    folder = _phi3_style(tmp_path / "phi3", legacy)
+    ours = Tokenizer.from_dir(folder)
+    auto = transformers.AutoTokenizer.from_pretrained(str(folder))
+    chat = "<|user|>\nthe quick brown fox<|end|>\n<|assistant|>"
+    raw = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    if not legacy:  # the case that differs from tokenizer.json
+        assert auto.encode(chat) != raw.encode(chat).ids
+    for text in [chat, *TEXTS, "<|user|>the<|end|> the", " two  spaces "]:
+        ids = ours.encode(text)
+        assert ids == auto.encode(text), text
+        for skip in (True, False):
+            assert ours.decode(ids, skip) == auto.decode(ids, skip_special_tokens=skip), text
