@@ -12,6 +12,7 @@ from .common import (
     DRAFT_QUANTIZATION,
     MODEL_ARGUMENT,
     NGRAM_MAX,
+    REVISION,
     SPEC_DRAFT_LENGTH,
     SPEC_MODE,
     SPEC_TREE_WIDTH,
@@ -28,6 +29,7 @@ CHAT_TEMPERATURE, CHAT_TOP_P = 0.7, 0.95  # when neither a flag nor the model sa
 @handle_errors
 def chat_command(
     model: str = MODEL_ARGUMENT,
+    revision: str = REVISION,
     prompt: str = typer.Option(None, "--prompt", "-p", help="Ask once, print the answer, exit."),
     system: str = typer.Option(None, "--system", help="System message."),
     raw: bool = typer.Option(
@@ -106,7 +108,7 @@ def chat_command(
         device,
     )
     folder = resolve_model(
-        model, quantization=quantization, device=device, context_window=context_window
+        model, revision, quantization=quantization, device=device, context_window=context_window
     )
     llm = LLM(folder, engine_config=EngineConfig(mode="interactive", **spec))
     fallback = {"temperature": CHAT_TEMPERATURE, "top_p": CHAT_TOP_P}  # a chat's usual sampling

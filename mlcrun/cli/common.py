@@ -109,13 +109,41 @@ class RichProgress:
             self._task = None
 
 
-def resolve_model(model: str | None, **compile_options: Any):
-    """The artifact folder for MODEL (default model when None), compiling it into
-    $MLCRUN_HOME with a progress bar when needed (default_model.resolve_artifact)."""
+REVISION = typer.Option(
+    None,
+    "--revision",
+    help="Branch, tag or commit of a MODEL downloaded from the Hugging Face Hub.",
+)
+
+
+def local_model(model: str, revision: str | None = None) -> str:
+    """MODEL as a local path: a hub id (owner/name, or owner/name/file.gguf) that is not a
+    local path is downloaded (unless cached) at `revision`."""
+    from pathlib import Path
+
+    from ..weights.hub import fetch, hub_reference
+
+    if Path(model).expanduser().exists():
+        if revision is not None:
+            raise MlcrunError(f"--revision applies to a hub id, and {model} is a local path")
+        return model
+    if hub_reference(model) is None:
+        if revision is not None:
+            raise MlcrunError(f"--revision applies to a hub id (owner/name), not {model!r}")
+        return model  # let the caller say what is wrong with it
+    return str(fetch(model, revision))
+
+
+def resolve_model(model: str | None, revision: str | None = None, **compile_options: Any):
+    """The artifact folder for MODEL (default model when None; a hub id is downloaded first),
+    compiling it into $MLCRUN_HOME with a progress bar when needed
+    (default_model.resolve_artifact)."""
     from .. import env
     from ..default_model import resolve_artifact
 
     env.tvm_num_threads()  # read when the model loads: a bad value fails now, not after a compile
+    if model is not None:
+        model = local_model(model, revision)
 
     with RichProgress() as progress:
         return resolve_artifact(model, progress=progress, **compile_options)

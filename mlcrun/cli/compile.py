@@ -6,13 +6,22 @@ from pathlib import Path
 
 import typer
 
-from .common import RichProgress, err_console, handle_errors, setup_logging
+from .common import (
+    REVISION,
+    RichProgress,
+    err_console,
+    handle_errors,
+    local_model,
+    setup_logging,
+)
 
 
 @handle_errors
 def compile_command(
     model: str = typer.Argument(
-        None, help="HF checkpoint folder, a hub id in the local HF cache, or a .gguf file."
+        None,
+        help="HF checkpoint folder, a .gguf file, or a Hugging Face Hub id (owner/name, or "
+        "owner/name/FILE.gguf; downloaded unless cached).",
     ),
     output: Path = typer.Option(None, "--output", "-o", help="Artifact folder to write."),
     quantization: str = typer.Option(
@@ -52,6 +61,7 @@ def compile_command(
         help="Also write OUT/draft-Q/: the model's own weights in Q (e.g. q4f16_1+q8f32), a "
         "draft for self-speculative decoding of q0f32, q0f16, q0bf16 and q8f32 models.",
     ),
+    revision: str = REVISION,
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT if it exists."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log each phase."),
     list_quantizations: bool = typer.Option(
@@ -76,6 +86,8 @@ def compile_command(
         raise typer.Exit(2)  # a usage error, as click reports a missing argument
     from ..compiler.build import compile_model, is_up_to_date
     from ..compiler.options import CompileOptions
+
+    model = local_model(model, revision)
 
     options = CompileOptions(
         quantization=quantization,

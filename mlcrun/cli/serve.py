@@ -13,6 +13,7 @@ from .common import (
     DRAFT_QUANTIZATION,
     MODEL_ARGUMENT,
     NGRAM_MAX,
+    REVISION,
     SPEC_DRAFT_LENGTH,
     SPEC_MODE,
     SPEC_TREE_WIDTH,
@@ -43,6 +44,7 @@ def parse_kv_memory(text: str | None) -> float | None:
 @handle_errors
 def serve_command(
     model: str = MODEL_ARGUMENT,
+    revision: str = REVISION,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback default)."),
     port: int = typer.Option(8000, "--port", help="Port (0: any free port)."),
     api_key: str = typer.Option(
@@ -101,7 +103,7 @@ def serve_command(
         prefix_cache=prefix_cache,
         **spec,
     )
-    folder = resolve_model(model, quantization=quantization, device=device)
+    folder = resolve_model(model, revision, quantization=quantization, device=device)
     from ..llm import LLM
     from ..serve.server import run_server
     from ..serve.service import ServeOptions

@@ -1,6 +1,7 @@
 """A compile source: a folder with config.json and tokenizer files, plus its tensors.
 
-Hugging Face folders (and hub ids in the local HF cache) are used as they are. A GGUF file is
+Hugging Face folders (and hub ids, downloaded unless cached: weights/hub.py) are used as they
+are. A GGUF file is
 turned once into such a folder (config.json and tokenizer files from its metadata) under
 `$MLCRUN_HOME/gguf/`, and its tensors are read from the GGUF itself.
 """
@@ -29,6 +30,11 @@ class Checkpoint:
 
 def open_checkpoint(model: str) -> Checkpoint:
     path = Path(model).expanduser()
+    if not path.exists() and model.lower().endswith(".gguf"):
+        from .hub import fetch, hub_reference
+
+        if hub_reference(model) is not None:  # owner/name/file.gguf: one file of a hub repo
+            path = fetch(model)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return Checkpoint(_materialized(path), lambda: _gguf_source(path), (path,))
     if path.is_file():
