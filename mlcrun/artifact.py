@@ -207,3 +207,37 @@ def verify_params(folder: Path, art: Artifact) -> None:
         raise MlcrunError(
             f"{folder}: params were modified after compile (hash mismatch); recompile the model"
         )
+
+
+def read_chat_template(folder: str | Path) -> str | None:
+    """The chat template a checkpoint or artifact folder defines: chat_template.jinja, then
+    tokenizer_config.json's, then chat_template.json's ("default" of a named list). The
+    compile records it in the artifact, and the runtime uses that record."""
+    folder = Path(folder)
+    config_file = folder / "tokenizer_config.json"
+    try:
+        config = (
+            json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        )
+    except (OSError, ValueError) as exc:
+        raise MlcrunError(f"cannot read {config_file}: {exc}") from exc
+    return chat_template_in(folder, config if isinstance(config, dict) else {})
+
+
+def chat_template_in(folder: Path, config: dict[str, Any]) -> str | None:
+    """read_chat_template with tokenizer_config.json already read (`config`)."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if template is None:
+        path = folder / "chat_template.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise MlcrunError(f"cannot read {path}: {exc}") from exc
+        template = data.get("chat_template") if isinstance(data, dict) else None
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None

@@ -26,7 +26,7 @@ FALLBACK_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class TemplateError(MlcrunError):
@@ -84,15 +84,22 @@ def render(
     *,
     add_generation_prompt: bool = True,
     special_tokens: dict[str, str | None] | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The prompt text; tokenize it without adding special tokens (the template has them)."""
+    """The prompt text; tokenize it without adding special tokens (the template has them).
+    `tools` (JSON-schema function descriptions) and `template_kwargs` (e.g. enable_thinking)
+    reach the template as transformers' apply_chat_template passes them."""
     compiled = _compile(template or FALLBACK_TEMPLATE)
     messages = validate_messages(messages)
+    context = {**(template_kwargs or {}), **(special_tokens or {})}
+    if tools is not None:
+        context["tools"] = list(tools)
     try:
         return compiled.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
-            **(special_tokens or {}),
+            **context,
         )
     except TemplateError as err:
         raise TemplateError(_one_line(str(err))) from None

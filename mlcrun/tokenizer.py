@@ -31,6 +31,7 @@ from tokenizers import AddedToken, processors
 
 # Re-exported: the list lives with the artifact layout, which the compiler may import.
 from mlcrun.artifact import TOKENIZER_FILES as TOKENIZER_FILES
+from mlcrun.artifact import chat_template_in as _chat_template
 from mlcrun.errors import MlcrunError
 
 logger = logging.getLogger(__name__)
@@ -113,28 +114,6 @@ def _rebuild_llama_class(backend: tokenizers.Tokenizer, config: dict[str, Any]) 
     if prefix:
         steps.append(tokenizers.decoders.Strip(content=" ", left=1, right=0))
     backend.decoder = tokenizers.decoders.Sequence(steps)
-
-
-def read_chat_template(folder: str | Path) -> str | None:
-    """The chat template a checkpoint or artifact folder defines (chat_template.jinja, then
-    tokenizer_config.json, then chat_template.json): what the compile stores in the artifact
-    and what `Tokenizer.from_dir` uses."""
-    folder = Path(folder)
-    return _chat_template(folder, _read_json(folder / "tokenizer_config.json"))
-
-
-def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
-    """The default chat template: chat_template.jinja wins over tokenizer_config.json."""
-    jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template")
-    if template is None:
-        template = _read_json(folder / "chat_template.json").get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
 
 
 class Tokenizer:
@@ -267,8 +246,11 @@ class Tokenizer:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> list[int] | str:
-        """Token ids (or the text) of a conversation, as transformers' apply_chat_template."""
+        """Token ids (or the text) of a conversation, as transformers' apply_chat_template
+        (`tools` and extra keyword arguments go to the template)."""
         from .chat_template import render
 
         text = render(
@@ -281,6 +263,8 @@ class Tokenizer:
                 "unk_token": self.unk_token,
                 "pad_token": self.pad_token,
             },
+            tools=tools,
+            template_kwargs=template_kwargs,
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import tvm
 
 from .. import __version__, abi, artifact
+from ..artifact import read_chat_template
 from ..errors import MlcrunError
 from ..models import registry
 from ..models.config import ModelConfig
-from ..tokenizer import read_chat_template
 from ..weights.checkpoint import open_checkpoint
 from .export import attach_metadata, export_model
 from .options import DEFAULT_CONTEXT_CAP, CompileOptions, resolve_activations

@@ -175,7 +175,13 @@ def _accept(svc: Service, body) -> None:
 def _chat_prompt(svc: Service, body: ChatCompletionRequest) -> Prompt:
     """Runs in a worker thread."""
     tok = svc.need_tokenizer("chat")
-    text = _render_chat(tok, body.plain_messages(), add_generation_prompt=True)
+    text = _render_chat(
+        tok,
+        body.plain_messages(),
+        add_generation_prompt=True,
+        tools=body.tools or None,
+        template_kwargs=body.chat_template_kwargs,
+    )
     return Prompt(tok.encode(text, add_special_tokens=False), None)
 
 
@@ -187,9 +193,17 @@ def _tokenize(tok: Tokenizer, body: TokenizeRequest) -> list[int]:
     return tok.encode(text, add_special_tokens=False)  # the template has the special tokens
 
 
-def _render_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def _render_chat(
+    tok: Tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    tools: list | None = None,
+    template_kwargs: dict | None = None,
+) -> str:
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt, tokenize=False)
+        return tok.apply_chat_template(
+            messages, add_generation_prompt, tokenize=False, tools=tools, **(template_kwargs or {})
+        )
     except MlcrunError as err:  # the model's template refused or failed on these messages
         raise APIError(400, f"messages: {err}", param="messages") from None
 
@@ -199,6 +213,15 @@ async def _run(request: Request, svc: Service, call_cls, body, prompts, params):
     constraint = None
     if body.response_format is not None:
         constraint = await asyncio.to_thread(svc.grammars.constraint, body.response_format)
+    tools = getattr(body, "tool_request", None)
+    if tools is not None and tools.constrained:
+        if constraint is not None:
+            raise APIError(
+                400, "response_format cannot be combined with a forced tool", param="tool_choice"
+            )
+        constraint = await asyncio.to_thread(
+            svc.grammars.schema_constraint, tools.schema(), "tool_choice"
+        )
     ticket = svc.admit(len(prompts), params.n)
     call = call_cls(svc, body, prompts, params, constraint, ticket, request.state)
     if body.stream:

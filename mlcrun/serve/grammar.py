@@ -106,29 +106,33 @@ class Grammars:
         """A factory of fresh constraints (one per choice), or None for plain text."""
         if fmt is None or fmt.type == "text":
             return None
-        if self.tokenizer is None:
-            raise APIError(400, "response_format needs a tokenizer", param="response_format")
-        ll = self.ll_tokenizer()
-        import llguidance
-
         if fmt.type == "json_object":
             schema: dict | bool = {"type": "object"}
         elif fmt.json_schema is None:
             raise APIError(400, "response_format.json_schema is required", param="response_format")
         else:
             schema = fmt.json_schema.schema_
+        return self.schema_constraint(schema, "response_format")
+
+    def schema_constraint(self, schema: dict | bool, param: str) -> Callable[[], GrammarConstraint]:
+        """A factory of constraints to JSON matching `schema` (errors name `param`)."""
+        if self.tokenizer is None:
+            raise APIError(400, f"{param} needs a tokenizer", param=param)
+        ll = self.ll_tokenizer()
+        import llguidance
+
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema), overrides=_JSON_OPTIONS
             )
         except Exception as err:  # ValueError for a schema that is not JSON-like
-            message = f"response_format.json_schema: {str(err).strip().splitlines()[0][:500]}"
-            raise APIError(400, message, param="response_format") from None
+            message = f"{param}: {str(err).strip().splitlines()[0][:500]}"
+            raise APIError(400, message, param=param) from None
         first = llguidance.LLMatcher(ll, grammar, log_level=0)
         if first.is_error():
             message = first.get_error().splitlines()[0][:500]
-            message = f"response_format.json_schema is not supported: {message}"
-            raise APIError(400, message, param="response_format")
+            message = f"{param}: schema not supported: {message}"
+            raise APIError(400, message, param=param)
         eos = self.eos_token_ids
         return lambda: GrammarConstraint(first.deep_copy(), eos)
 

@@ -8,6 +8,7 @@ not valid Unicode, the size of stop/stop_token_ids/logit_bias, and logit_bias ke
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -254,6 +255,8 @@ class ChatMessage(_Model):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_Sampling):
@@ -263,12 +266,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
     def check(self) -> None:
         super().check()
-        if self.tools or self.functions:
-            raise APIError(400, "tools and functions are not supported", param="tools")
+        if self.functions:
+            raise APIError(
+                400, "functions is deprecated and not supported: use tools", param="functions"
+            )
+        if self.tool_choice is not None or self.tools:
+            from .tools import tool_request
+
+            tool_request(self.tools, self.tool_choice)  # 400s name the field
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
@@ -290,8 +301,15 @@ class ChatCompletionRequest(_Sampling):
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def plain_messages(self) -> list[dict[str, str]]:
+    def plain_messages(self) -> list[dict[str, Any]]:
         return plain_messages(self.messages)
+
+    @property
+    def tool_request(self):
+        """The checked tools and tool_choice (tools.ToolRequest), or None."""
+        from .tools import tool_request
+
+        return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 class TokenizeRequest(_Model):
@@ -307,23 +325,26 @@ class DetokenizeRequest(_Model):
     tokens: list[int]
 
 
-def plain_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as {"role", "content"} strings, as chat templates expect them."""
+def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as chat templates expect them: {"role", "content"} with text content; an
+    assistant's `tool_calls` with their arguments as objects (OpenAI sends JSON text, the
+    templates of the model families write them out with `tojson`), a tool message's
+    `tool_call_id` (and `name`)."""
     out = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
-        if role not in ("system", "user", "assistant"):
+        if role not in ("system", "user", "assistant", "tool"):
             raise APIError(
                 400,
-                f"messages[{i}].role: {_show(m.role)} is not one of system, user, assistant",
+                f"messages[{i}].role: {_show(m.role)} is not one of system, user, assistant, tool",
                 param=f"messages[{i}].role",
             )
         content = m.content
-        if content is None:
+        if content is None and not (role == "assistant" and m.tool_calls):
             raise APIError(
                 400, f"messages[{i}].content is required", param=f"messages[{i}].content"
             )
-        if not isinstance(content, str):
+        if content is not None and not isinstance(content, str):
             bad = [p.type for p in content if p.type != "text" or p.text is None]
             if bad:
                 raise APIError(
@@ -332,5 +353,35 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     param=f"messages[{i}].content",
                 )
             content = "\n".join(p.text or "" for p in content)
-        out.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant" and m.tool_calls:
+            message["tool_calls"] = [_template_call(c, i, j) for j, c in enumerate(m.tool_calls)]
+        if role == "tool":
+            if m.tool_call_id is None:
+                raise APIError(
+                    400,
+                    f"messages[{i}].tool_call_id is required in a tool message",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def _template_call(call: dict[str, Any], i: int, j: int) -> dict[str, Any]:
+    where = f"messages[{i}].tool_calls[{j}]"
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(400, f"{where}.function.name is required", param=where)
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise APIError(400, f"{where}.function.arguments is not JSON", param=where) from None
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if "id" in call:
+        out["id"] = call["id"]
     return out

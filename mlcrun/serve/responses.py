@@ -19,6 +19,15 @@ from ..engine.types import RequestOutput
 from ..errors import MlcrunError
 from .protocol import APIError, error_body
 from .service import Prompt, Service, Ticket, usage
+from .tools import (
+    ReasoningStream,
+    ToolCall,
+    ToolStream,
+    family_of,
+    parse,
+    split_reasoning,
+    thinks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +198,26 @@ class CompletionCall(_Call):
 class ChatCall(_Call):
     kind, prefix = "chat.completion", "chatcmpl"
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tools = self.req.tool_request  # None, or what tool_choice asks (serve/tools.py)
+        template = self.svc.llm.tokenizer.chat_template if self.svc.llm.tokenizer else None
+        self.family = family_of(template)
+        self.think = thinks(template)  # Qwen3: <think>...</think> -> reasoning_content
+        self.streams: dict[int, ToolStream] = {}
+        self.reasoning: dict[int, ReasoningStream] = {}
+
+    def answer(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished answer (its reasoning taken out before)."""
+        if self.tools is None or self.tools.choice == "none":
+            return text, []
+        if self.tools.constrained:
+            return None, self.tools.read_constrained(text)
+        return parse(self.family, text)
+
+    def finish_reason(self, out: RequestOutput, calls: list[ToolCall]) -> str | None:
+        return "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+
     def logprobs(self, ids: list[int], lps: list[dict[int, float]]) -> dict | None:
         if self.req.engine_logprobs is None:
             return None
@@ -206,11 +235,18 @@ class ChatCall(_Call):
         }
 
     def choice(self, k: int, out: RequestOutput) -> dict[str, Any]:
+        reasoning, text = split_reasoning(out.text) if self.think else (None, out.text)
+        content, calls = self.answer(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [c.as_dict() for c in calls]
         return {
             "index": k,
-            "message": {"role": "assistant", "content": out.text},
+            "message": message,
             "logprobs": self.logprobs(out.token_ids, out.logprobs or []),
-            "finish_reason": out.finish_reason,
+            "finish_reason": self.finish_reason(out, calls),
         }
 
     def start(self) -> list[dict[str, Any]]:
@@ -227,20 +263,51 @@ class ChatCall(_Call):
 
     def delta(self, k: int, out: RequestOutput) -> list[dict[str, Any]]:
         ids, lps = self.new_logprobs(out)
-        bodies = []
-        if out.delta_text or ids:
+        text, calls, bodies = out.delta_text, [], []
+        if self.think:
+            thought, text = self.reasoning.setdefault(k, ReasoningStream()).feed(text)
+            if thought:
+                bodies.append(
+                    {
+                        "index": k,
+                        "delta": {"reasoning_content": thought},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+        if self.tools is not None and self.tools.choice != "none":
+            stream = self.streams.setdefault(k, ToolStream(self.family))
+            if self.tools.constrained:  # JSON by construction: sent as calls at the end
+                stream.text += text
+                text = ""
+                if out.finished:
+                    calls = self.tools.read_constrained(stream.text)
+            else:
+                text = stream.feed(text)
+                if out.finished:
+                    rest, calls = stream.finish()
+                    text += rest
+        if text or ids:
             bodies.append(
                 {
                     "index": k,
-                    "delta": {"content": out.delta_text},
+                    "delta": {"content": text},
                     "logprobs": self.logprobs(ids, lps),
                     "finish_reason": None,
                 }
             )
-        if out.finished:
+        if calls:
             bodies.append(
-                {"index": k, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
+                {
+                    "index": k,
+                    "delta": {"tool_calls": [c.as_dict(i) for i, c in enumerate(calls)]},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
             )
+        if out.finished:
+            reason = self.finish_reason(out, calls)
+            bodies.append({"index": k, "delta": {}, "logprobs": None, "finish_reason": reason})
         return bodies
 
 

@@ -51,9 +51,11 @@ def test_chat_messages_are_plain_strings():
         {"role": "system", "content": "be kind"},
         {"role": "user", "content": "a\nb"},
     ]
-    bad = ChatCompletionRequest(messages=[{"role": "tool", "content": "x"}])
+    bad = ChatCompletionRequest(messages=[{"role": "function", "content": "x"}])
     with pytest.raises(APIError, match="role"):
         bad.plain_messages()
+    tool = ChatCompletionRequest(messages=[{"role": "tool", "content": "x", "tool_call_id": "a"}])
+    assert tool.plain_messages() == [{"role": "tool", "content": "x", "tool_call_id": "a"}]
 
 
 def test_suffix_and_echo_with_logprobs_are_refused():
