@@ -6,6 +6,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# No test may reach the internet: huggingface_hub (hub ids, transformers) reads only its cache.
+# tests/e2e/test_hub.py lifts this for its processes, which talk to a local stand-in.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 
 @pytest.fixture(scope="session", autouse=True)
 def mlcrun_home(tmp_path_factory):
