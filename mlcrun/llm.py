@@ -48,6 +48,17 @@ def generation_defaults(generation: dict) -> dict:
     return defaults
 
 
+def artifact_tokenizer(folder: str | Path, art) -> Tokenizer | None:
+    """The tokenizer an artifact carries (None when it has none), with the chat template the
+    compile recorded."""
+    if "tokenizer.json" not in art.tokenizer_files:
+        return None
+    tokenizer = Tokenizer.from_dir(folder)
+    if art.chat_template is not None:
+        tokenizer.chat_template = art.chat_template
+    return tokenizer
+
+
 class LLM:
     def __init__(
         self,
@@ -58,13 +69,7 @@ class LLM:
     ):
         self.model = Model(model, num_threads=num_threads)
         art = self.model.artifact
-        self.tokenizer = (
-            Tokenizer.from_dir(self.model.folder)
-            if "tokenizer.json" in art.tokenizer_files
-            else None
-        )
-        if self.tokenizer is not None and art.chat_template is not None:
-            self.tokenizer.chat_template = art.chat_template  # the one the compile recorded
+        self.tokenizer = artifact_tokenizer(self.model.folder, art)
         eos = set(self.model.config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)

@@ -11,6 +11,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -42,6 +43,11 @@ def setup_logging(verbose: bool) -> None:
     )
 
 
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return escape(lines[0] if lines else "")
+
+
 def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     """Turn library errors into one line on stderr and a non-zero exit, never a traceback."""
 
@@ -50,7 +56,8 @@ def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(*args, **kwargs)
         except MlcrunError as err:
-            err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
+                              soft_wrap=True)  # fmt: skip
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")
@@ -61,7 +68,7 @@ def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
             if logging.getLogger().isEnabledFor(logging.INFO):
                 raise
             err_console.print(
-                f"[bold red]internal error:[/] {type(err).__name__}: {err} "
+                f"[bold red]internal error:[/] {type(err).__name__}: {_first_line(err)} "
                 "(rerun with --verbose for the traceback)",
                 highlight=False,
                 soft_wrap=True,

@@ -70,7 +70,15 @@ def serve_command(
     ),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     quantization: str = typer.Option(None, "--quantization", "-q", help="Preset when compiling."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads for the model."),
+    threads: int = typer.Option(
+        None, "--threads", help="CPU threads for the model (per replica with --replicas)."
+    ),
+    replicas: int = typer.Option(
+        1, "--replicas", help="Engine replicas under Ray Serve (needs mlcrun[ray]).", min=1
+    ),
+    ray_address: str = typer.Option(
+        None, "--ray-address", help="Join this Ray cluster (default: start a local one)."
+    ),
     speculative_mode: str = SPEC_MODE,
     spec_draft_length: int = SPEC_DRAFT_LENGTH,
     spec_tree_width: int = SPEC_TREE_WIDTH,
@@ -81,12 +89,19 @@ def serve_command(
 ) -> None:
     """Serve a model over the OpenAI API (completions, chat, streaming, structured output)."""
     setup_logging(verbose)
-    _access_log()
+    from ..serve.app import plain_access_log
+
+    plain_access_log()
     from ..default_model import DEFAULT_NAME
     from ..engine.config import EngineConfig
 
     if max_queue < 0 or max_request_bytes <= 0 or shutdown_timeout < 0:
         raise MlcrunError("--max-queue, --max-request-bytes and --shutdown-timeout: must be >= 0")
+    on_ray = replicas > 1 or ray_address is not None
+    if on_ray:
+        from ..serve.ray import require_ray
+
+        require_ray()  # before a compile that may take minutes
     spec = speculation_options(
         speculative_mode,
         spec_draft_length,
@@ -104,12 +119,9 @@ def serve_command(
         **spec,
     )
     folder = resolve_model(model, revision, quantization=quantization, device=device)
-    from ..llm import LLM
-    from ..serve.server import run_server
     from ..serve.service import ServeOptions
 
     name = served_model_name or (DEFAULT_NAME if model is None else _name(model))
-    llm = LLM(folder, engine_config=config, num_threads=threads)
     options = ServeOptions(
         model_name=name,
         api_key=api_key,
@@ -125,20 +137,39 @@ def serve_command(
             soft_wrap=True,
         )
 
+    if on_ray:
+        _serve_replicas(folder, config, options, replicas, threads, host, port, ray_address, ready)
+        return
+    from ..llm import LLM
+    from ..serve.server import run_server
+
+    llm = LLM(folder, engine_config=config, num_threads=threads)
     run_server(llm, options, host=host, port=port, on_ready=ready)
 
 
-def _access_log() -> None:
-    """One plain line per request on stderr (rich would wrap it)."""
-    import logging
-    import sys
+def _serve_replicas(folder, config, options, replicas, threads, host, port, address, ready):
+    import os
 
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    access = logging.getLogger("mlcrun.serve.access")
-    access.handlers[:] = [handler]
-    access.setLevel(logging.INFO)
-    access.propagate = False
+    from ..serve.ray import ReplicaOptions
+    from ..serve.ray.cluster import serve_replicas
+
+    threads = threads or max(1, (os.cpu_count() or 1) // replicas)  # the CPUs shared out
+    err_console.print(
+        f"mlcrun serve: starting {replicas} replica(s) of {threads} thread(s) on "
+        f"{'Ray at ' + address if address else 'a local Ray cluster'}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    serve_replicas(
+        folder,
+        config,
+        options,
+        ReplicaOptions(replicas=replicas, threads=threads),
+        host,
+        port,
+        ray_address=address,
+        on_ready=ready,
+    )
 
 
 def _name(model: str) -> str:

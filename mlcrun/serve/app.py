@@ -44,6 +44,18 @@ access_log = logging.getLogger("mlcrun.serve.access")
 log = logging.getLogger(__name__)
 
 
+def plain_access_log() -> None:
+    """One plain line per request on stderr (not through the process's root handlers: rich
+    would wrap it, Ray would turn it into JSON)."""
+    import sys
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access_log.handlers[:] = [handler]
+    access_log.setLevel(logging.INFO)
+    access_log.propagate = False
+
+
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="mlcrun", version="1", docs_url=None, redoc_url=None)
     app.state.service = service
@@ -118,7 +130,7 @@ def _routes(app: FastAPI, svc: Service) -> None:
         body.check()
         prompts = await asyncio.to_thread(svc.encode, body.prompt)
         max_tokens = svc.max_tokens(prompts, body.max_tokens, svc.options.default_max_tokens)
-        params = body.sampling_params(max_tokens, body.logprobs, svc.llm.generation_defaults)
+        params = body.sampling_params(max_tokens, body.logprobs, svc.info.generation_defaults)
         return await _run(request, svc, CompletionCall, body, prompts, params)
 
     @app.post("/v1/chat/completions")
@@ -128,7 +140,9 @@ def _routes(app: FastAPI, svc: Service) -> None:
         prompts = [await asyncio.to_thread(_chat_prompt, svc, body)]
         asked, field = body.asked_max_tokens
         max_tokens = svc.max_tokens(prompts, asked, None, param=field)
-        params = body.sampling_params(max_tokens, body.engine_logprobs, svc.llm.generation_defaults)
+        params = body.sampling_params(
+            max_tokens, body.engine_logprobs, svc.info.generation_defaults
+        )
         return await _run(request, svc, ChatCall, body, prompts, params)
 
     @app.post("/v1/tokenize")

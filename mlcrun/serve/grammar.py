@@ -60,6 +60,19 @@ class GrammarConstraint:
         return True
 
 
+class SchemaConstraints:
+    """A factory of fresh constraints (one per choice) to JSON matching `schema`. It keeps the
+    schema it was compiled from, so that another process (a Ray Serve engine replica) can
+    compile it again with its own `Grammars` (a compiled matcher does not cross processes)."""
+
+    def __init__(self, schema: dict | bool, param: str, first, eos_token_ids: Sequence[int]):
+        self.schema, self.param = schema, param
+        self._first, self._eos = first, list(eos_token_ids)
+
+    def __call__(self) -> GrammarConstraint:
+        return GrammarConstraint(self._first.deep_copy(), self._eos)
+
+
 class Grammars:
     """Compiles response formats for one tokenizer; the llguidance tokenizer is built once,
     on first use (about a second for a 150k vocabulary)."""
@@ -114,7 +127,7 @@ class Grammars:
             schema = fmt.json_schema.schema_
         return self.schema_constraint(schema, "response_format")
 
-    def schema_constraint(self, schema: dict | bool, param: str) -> Callable[[], GrammarConstraint]:
+    def schema_constraint(self, schema: dict | bool, param: str) -> SchemaConstraints:
         """A factory of constraints to JSON matching `schema` (errors name `param`)."""
         if self.tokenizer is None:
             raise APIError(400, f"{param} needs a tokenizer", param=param)
@@ -133,8 +146,7 @@ class Grammars:
             message = first.get_error().splitlines()[0][:500]
             message = f"{param}: schema not supported: {message}"
             raise APIError(400, message, param=param)
-        eos = self.eos_token_ids
-        return lambda: GrammarConstraint(first.deep_copy(), eos)
+        return SchemaConstraints(schema, param, first, self.eos_token_ids)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (exact for byte-level BPE pieces of a character)."""

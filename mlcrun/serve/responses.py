@@ -201,7 +201,7 @@ class ChatCall(_Call):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tools = self.req.tool_request  # None, or what tool_choice asks (serve/tools.py)
-        template = self.svc.llm.tokenizer.chat_template if self.svc.llm.tokenizer else None
+        template = self.svc.tokenizer.chat_template if self.svc.tokenizer else None
         self.family = family_of(template)
         self.think = thinks(template)  # Qwen3: <think>...</think> -> reasoning_content
         self.streams: dict[int, ToolStream] = {}

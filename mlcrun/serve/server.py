@@ -65,7 +65,7 @@ def run_server(
     on_ready: Callable[[str, int], None] | None = None,
 ) -> None:
     """Serve `llm` until SIGINT/SIGTERM; returns after a clean shutdown."""
-    service = Service(llm, options)
+    service = Service.local(llm, options)
     config = uvicorn.Config(
         create_app(service),
         host=host,

@@ -17,6 +17,7 @@ from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.sampler import check_vocab
 from ..engine.types import RequestOutput, SamplingParams, TokenConstraint
 from ..errors import MlcrunError
+from ..tokenizer import Tokenizer
 from .grammar import Grammars
 from .metrics import Metrics
 from .protocol import APIError, bad_value
@@ -55,21 +56,57 @@ class Ticket:
             self.service.metrics.in_flight -= 1
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the routes need to know of the model, without the model itself (a Ray Serve
+    ingress has only these; the model runs in the engine replicas)."""
+
+    tokenizer: Tokenizer | None
+    context_window: int
+    vocab_size: int
+    max_num_sequence: int
+    eos_token_ids: tuple[int, ...]
+    generation_defaults: dict
+
+    @classmethod
+    def of(cls, llm) -> ModelInfo:
+        return cls(llm.tokenizer, **model_facts(llm))
+
+
+def model_facts(llm) -> dict:
+    """ModelInfo's fields but the tokenizer: plain values, for another process."""
+    return {
+        "context_window": llm.engine.context_window,
+        "vocab_size": llm.engine.runner.vocab_size,
+        "max_num_sequence": llm.engine_config.max_num_sequence,
+        "eos_token_ids": tuple(llm.eos_token_ids),
+        "generation_defaults": dict(llm.generation_defaults),
+    }
+
+
 class Service:
-    def __init__(self, llm, options: ServeOptions) -> None:
-        self.llm = llm
+    """`engine`: an AsyncEngine, or anything with its interface (healthy, error, generate,
+    abort_all, reset_prefix_cache, stats, shutdown), such as the Ray Serve replicas' handle."""
+
+    def __init__(self, info: ModelInfo, engine, options: ServeOptions) -> None:
+        self.info = info
         self.options = options
-        self.engine = AsyncEngine(llm.engine)
-        self.tokenizer = llm.tokenizer
-        self.context_window: int = llm.engine.context_window
-        self.vocab_size: int = llm.engine.runner.vocab_size
-        self.capacity = llm.engine_config.max_num_sequence + options.max_queue
-        self.grammars = Grammars(self.tokenizer, self.vocab_size, llm.eos_token_ids)
+        self.engine = engine
+        self.tokenizer = info.tokenizer
+        self.context_window: int = info.context_window
+        self.vocab_size: int = info.vocab_size
+        self.capacity = info.max_num_sequence + options.max_queue
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, info.eos_token_ids)
         threading.Thread(target=self.grammars.warm_up, name="mlcrun-grammar", daemon=True).start()
         self.metrics = Metrics(options.model_name)
         self.created = int(time.time())
         self.in_flight = 0  # admitted sequences, all requests together
         self.draining = False
+
+    @classmethod
+    def local(cls, llm, options: ServeOptions) -> Service:
+        """One process: the routes over an AsyncEngine that steps `llm`'s engine."""
+        return cls(ModelInfo.of(llm), AsyncEngine(llm.engine), options)
 
     # ------------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> None:

@@ -83,10 +83,12 @@ def test_a_pathological_request_leaves_eight_streams_unchanged(server):
 
 
 class InProcess:
-    """uvicorn serving create_app(Service(llm)) on a free port, in a thread of this process."""
+    """uvicorn serving create_app(Service.local(llm)) on a free port, in a thread of this
+    process."""
 
     def __init__(self, llm: LLM) -> None:
-        self.service = Service(llm, ServeOptions(model_name=MODEL))
+        self.llm = llm
+        self.service = Service.local(llm, ServeOptions(model_name=MODEL))
         config = uvicorn.Config(create_app(self.service), host="127.0.0.1", port=0, log_config=None)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -175,7 +177,7 @@ def test_a_dead_engine_thread_makes_health_503_and_fails_requests(inproc):
     def bug():
         raise RuntimeError("scheduler bug")
 
-    inproc.service.llm.engine.scheduler.schedule = bug
+    inproc.llm.engine.scheduler.schedule = bug
     with pytest.raises(openai.APIError, match="scheduler bug"):
         for _ in stream:
             pass
