@@ -74,7 +74,10 @@ def serve_command(
         None, "--threads", help="CPU threads for the model (per replica with --replicas)."
     ),
     replicas: int = typer.Option(
-        1, "--replicas", help="Engine replicas under Ray Serve (needs mlcrun[ray]).", min=1
+        None,
+        "--replicas",
+        help="Run N engine replicas under Ray Serve (needs mlcrun[ray]); default: one process.",
+        min=1,
     ),
     ray_address: str = typer.Option(
         None, "--ray-address", help="Join this Ray cluster (default: start a local one)."
@@ -97,7 +100,7 @@ def serve_command(
 
     if max_queue < 0 or max_request_bytes <= 0 or shutdown_timeout < 0:
         raise MlcrunError("--max-queue, --max-request-bytes and --shutdown-timeout: must be >= 0")
-    on_ray = replicas > 1 or ray_address is not None
+    on_ray = replicas is not None or ray_address is not None
     if on_ray:
         from ..serve.ray import require_ray
 
@@ -138,6 +141,7 @@ def serve_command(
         )
 
     if on_ray:
+        replicas = replicas or 1
         _serve_replicas(folder, config, options, replicas, threads, host, port, ray_address, ready)
         return
     from ..llm import LLM
@@ -169,6 +173,7 @@ def _serve_replicas(folder, config, options, replicas, threads, host, port, addr
         port,
         ray_address=address,
         on_ready=ready,
+        on_stop=lambda: err_console.print("mlcrun serve: shutting down: draining requests"),
     )
 
 

@@ -34,7 +34,10 @@ def serve_replicas(
     port: int,
     ray_address: str | None = None,
     on_ready: Callable[[str, int], None] | None = None,
+    on_stop: Callable[[], None] | None = None,
 ) -> None:
+    """`on_ready(host, port)` once the app serves; `on_stop()` when a signal arrives (the
+    caller says so: Ray reformats this process's log records)."""
     serve = require_ray()
     import ray
 
@@ -63,7 +66,8 @@ def serve_replicas(
         if on_ready is not None:
             on_ready(host, port)
         _wait_for_signal()
-        log.warning("shutting down: draining requests in flight")
+        if on_stop is not None:
+            on_stop()
         try:
             ingress.drain.remote().result(timeout_s=options.shutdown_timeout + 30)
         except Exception as err:  # the ingress is gone: nothing left to drain
