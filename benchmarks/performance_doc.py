@@ -6,7 +6,9 @@
     .venv/bin/python benchmarks/performance_doc.py             # -> docs/performance.md + .png
 
 The "Gemma 3 270M" section comes from benchmarks/results/gemma3.json (benchmarks/gemma3.py)
-when that file exists. The "Speculative decoding" section comes from
+when that file exists, the "Replicas under Ray Serve" section from
+benchmarks/results/serve_replicas.json (benchmarks/serve_replicas.py) when that file exists.
+The "Speculative decoding" section comes from
 benchmarks/results/speculative.json (`.venv/bin/python benchmarks/speculative.py`) when that
 file exists.
 
@@ -859,6 +861,74 @@ def gemma3_section(gemma: dict | None) -> list[str]:
     ]
 
 
+def replicas_section(rep: dict | None) -> list[str]:
+    """`mlcrun serve` with replicas under Ray Serve against one engine (serve_replicas.json)."""
+    if rep is None:
+        return []
+    rows = {(r["setup"], r["workload"]): r for r in rep["medians"]}
+    setups = list(dict.fromkeys(r["setup"] for r in rep["medians"]))
+    works = list(dict.fromkeys(r["workload"] for r in rep["medians"]))
+    lines = [
+        "## Replicas under Ray Serve",
+        "",
+        "*From `benchmarks/results/serve_replicas.json`, written by:*",
+        "",
+        f"    {' '.join(rep['command'])}",
+        "",
+        f"On {rep['created']}, {rep['machine']['cpu']}, {rep['machine']['cores']} cores: "
+        f"`mlcrun bench --url` with {rep['clients']} concurrent clients, {rep['prompts']} "
+        "requests of 64 generated tokens, against a fresh `mlcrun serve` of the default model "
+        "(q4) per run; medians of "
+        f"{rep['rounds']} rounds in random order. *Shared system prompt*: every request starts "
+        "with the same ~110-token system prompt, then its own question; *nothing shared*: "
+        "160 random tokens each. Hit rate: prompt tokens the prefix caches supplied.",
+        "",
+        "| setup | workload | output tok/s | TTFT median ms | prefix-cache hit rate |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for setup in setups:
+        for work in works:
+            r = rows.get((setup, work))
+            if r is not None:
+                lines.append(
+                    f"| {setup} | {work} | {r['output_throughput']:.1f} | "
+                    f"{r['ttft_ms_median']:.0f} | {r['prefix_cache_hit_rate']:.1%} |"
+                )
+    spread = _replica_spread(rep)
+    one = rows.get(("Ray, 1 replica x 2 threads", "nothing shared"))
+    two = rows.get(("Ray, 2 replicas x 1 thread", "nothing shared"))
+    lines.append("")
+    if one and two:
+        ratio = two["output_throughput"] / one["output_throughput"]
+        lines.append(
+            f"On this machine 2 replicas of 1 thread give {ratio:.2f}x the throughput of 1 "
+            "replica of 2 threads with nothing shared. A 2-core machine cannot show scaling: "
+            "both setups share the same 2 cores and the same memory bandwidth, so replicas can "
+            "only trade one engine's 2-thread kernels for two 1-thread engines (each decoding "
+            "its own batch: half the batch per weight read). What replicas add is isolation and "
+            "more machines; their throughput on more cores or nodes was not measured here."
+        )
+    if spread:
+        lines.append("")
+        lines.append(
+            "Where the requests went, per run with 2 replicas (requests per replica): "
+            + "; ".join(spread)
+            + ". With a shared system prompt the router keeps related prompts together until "
+            "the queues differ by more than its threshold (8), then balances."
+        )
+    lines.append("")
+    return lines
+
+
+def _replica_spread(rep: dict) -> list[str]:
+    out = []
+    for run in rep["runs"]:
+        counts = sorted((int(v.get("requests", 0)) for v in run["replicas"].values()), reverse=True)
+        if run["setup"].startswith("Ray, 2") and counts:
+            out.append(f"{run['workload']}, round {run['round']}: {' / '.join(map(str, counts))}")
+    return out
+
+
 def spec_section(spec: dict | None) -> list[str]:
     """Speedups, acceptance and 16-way throughput of speculative decoding (speculative.json)."""
     if spec is None:
@@ -1184,12 +1254,16 @@ def method_section(doc: dict) -> list[str]:
     ]
 
 
+UNMEASURED = (":(exclude)mlcrun/serve", ":(exclude)mlcrun/cli/serve.py")
+
+
 def changed_since(created: str) -> list[str]:
-    """A warning, from git, when commits that change the code being measured (mlcrun/) landed
-    after the compare run: its figures then describe older code."""
+    """A warning, from git, when commits that change the code being measured (mlcrun/, but the
+    HTTP server, which no compare.py test runs) landed after the compare run: its figures then
+    describe older code."""
     try:
         out = subprocess.run(
-            ["git", "log", "--oneline", f"--since={created}", "--", "mlcrun/"],
+            ["git", "log", "--oneline", f"--since={created}", "--", "mlcrun/", *UNMEASURED],
             capture_output=True,
             text=True,
             check=True,
@@ -1199,16 +1273,21 @@ def changed_since(created: str) -> list[str]:
         return []
     if not out:
         return []
+    excluded = " ".join(f"'{p}'" for p in UNMEASURED)
     return [
         f"**Not current:** {len(out)} commits have changed `mlcrun/` since this run (`git log "
-        f"--since={created} -- mlcrun/`), so the comparison below describes older code; "
+        f"--since={created} -- mlcrun/ {excluded}`), so the comparison below describes older code; "
         "re-run the commands above to measure the current one.",
         "",
     ]
 
 
 def render(
-    doc: dict, kernel: dict | None, spec: dict | None = None, gemma: dict | None = None
+    doc: dict,
+    kernel: dict | None,
+    spec: dict | None = None,
+    gemma: dict | None = None,
+    replicas: dict | None = None,
 ) -> str:
     m = doc["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
@@ -1258,6 +1337,7 @@ def render(
     lines += kernel_section(kernel)
     lines += spec_section(spec)
     lines += gemma3_section(gemma)
+    lines += replicas_section(replicas)
     lines += method_section(doc)
     return "\n".join(lines)
 
@@ -1268,13 +1348,15 @@ def main() -> None:
     parser.add_argument("--kernel", type=Path, default=RESULTS / "kernel.json")
     parser.add_argument("--speculative", type=Path, default=RESULTS / "speculative.json")
     parser.add_argument("--gemma3", type=Path, default=RESULTS / "gemma3.json")
+    parser.add_argument("--replicas", type=Path, default=RESULTS / "serve_replicas.json")
     parser.add_argument("--out", type=Path, default=DOC, help="the page (the plot goes beside)")
     args = parser.parse_args()
     doc = json.loads(args.compare.read_text())
     kernel = json.loads(args.kernel.read_text()) if args.kernel.exists() else None
     spec = json.loads(args.speculative.read_text()) if args.speculative.exists() else None
     gemma = json.loads(args.gemma3.read_text()) if args.gemma3.exists() else None
-    args.out.write_text(render(doc, kernel, spec, gemma))
+    replicas = json.loads(args.replicas.read_text()) if args.replicas.exists() else None
+    args.out.write_text(render(doc, kernel, spec, gemma, replicas))
     plot(doc, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
