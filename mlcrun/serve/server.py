@@ -74,6 +74,11 @@ def run_server(
         access_log=False,  # the app logs one line per request itself
         timeout_graceful_shutdown=options.shutdown_timeout + 5,
         timeout_keep_alive=5,
+        # uvicorn's pure-Python parser and asyncio's loop, whatever else is installed (Ray
+        # Serve brings httptools, which answers unknown methods itself with a 400 the app
+        # never counts, and uvloop)
+        http="h11",
+        loop="asyncio",
     )
     try:
         _Server(config, service, on_ready).run()
