@@ -908,6 +908,19 @@ def replicas_section(rep: dict | None) -> list[str]:
             "its own batch: half the batch per weight read). What replicas add is isolation and "
             "more machines; their throughput on more cores or nodes was not measured here."
         )
+    for work in works:
+        plain = rows.get(("one process, 2 threads", work))
+        ray_one = rows.get(("Ray, 1 replica x 2 threads", work))
+        if plain and ray_one:
+            lines.append("")
+            lines.append(
+                f"Ray's own cost ({work}): 1 replica under Ray gives "
+                f"{ray_one['output_throughput'] / plain['output_throughput']:.2f}x the "
+                "throughput of the one-process server with the same 2 threads: every token "
+                "crosses from the replica's process to the ingress and the HTTP proxy, and "
+                "Ray's processes (proxy, ingress, controller, raylet) run on the same 2 cores "
+                "as the engine. Replicas pay off where each has cores of its own."
+            )
     if spread:
         lines.append("")
         lines.append(
