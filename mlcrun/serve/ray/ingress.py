@@ -53,14 +53,9 @@ class Replicas:
 
         if constraint is not None and not isinstance(constraint, SchemaConstraints):
             raise MlcrunError("a constraint must be a JSON schema to reach a replica")
-        request = EngineRequest(
-            route_key(prompt),
-            list(prompt),
-            params,
-            request_id,
-            schema=None if constraint is None else constraint.schema,
-            schema_param="response_format" if constraint is None else constraint.param,
-        )
+        schema = {} if constraint is None else {"schema": constraint.schema,
+                                                 "schema_param": constraint.param}  # fmt: skip
+        request = EngineRequest(route_key(prompt), list(prompt), params, request_id, **schema)
         # A fresh context makes the call a request of its own, not a child of the HTTP
         # request: Ray gives a request's children its id, and two streams of one id on one
         # replica never deliver (Ray 2.60; the prompts of one request would hang).
