@@ -752,11 +752,13 @@ def mlcrun_compile(gguf_path: Path, out: Path) -> float | None:
     return time.perf_counter() - start
 
 
-def prepare(model: str, engines: list[str], threads: int) -> tuple[list[Variant], dict]:
-    """The model's files (made when missing) and its engine/format variants."""
+def prepare(
+    model: str, engines: list[str], threads: int, formats: list[str]
+) -> tuple[list[Variant], dict]:
+    """The model's files (made when missing) and its engine/format variants (of `formats`)."""
     folder = CACHE / model
     folder.mkdir(parents=True, exist_ok=True)
-    info: dict = {"steps": {}, "errors": {}, "formats": list(MODELS[model])}
+    info: dict = {"steps": {}, "errors": {}, "formats": [f for f in MODELS[model] if f in formats]}
 
     def step(name: str, path: Path, fn, *a) -> bool:
         if path.exists():
@@ -786,12 +788,12 @@ def prepare(model: str, engines: list[str], threads: int) -> tuple[list[Variant]
         info["source"] = "random init (seed 0), shape " + json.dumps(QWEN_SHAPE)
         step("HF checkpoint", hf, make_qwen_checkpoint, hf)
         step("F32 GGUF", gguf["F32"], write_f32_gguf_from_hf, hf, gguf["F32"])
-    for fmt in MODELS[model][1:]:
+    for fmt in [f for f in MODELS[model][1:] if f in formats]:
         step(f"{fmt} GGUF", gguf[fmt], llama_quantize, gguf["F32"], gguf[fmt], fmt, threads)
 
     variants = []
     for fmt in MODELS[model]:
-        if not gguf[fmt].exists():
+        if fmt not in formats or not gguf[fmt].exists():
             continue
         info.setdefault("gguf_types", {})[fmt] = gguf_types(gguf[fmt])
         if "mlcrun" in engines:
@@ -1155,6 +1157,12 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count(), help="every engine (default: all CPUs)"
     )
+    parser.add_argument(
+        "--formats",
+        default=",".join(FORMATS),
+        help="GGUF formats to run (default: %(default)s); a subset is for checking a kernel "
+        "change, not for docs/performance.md",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny lengths: a smoke test")
     parser.add_argument(
         "--json",
@@ -1170,8 +1178,10 @@ def main() -> None:
 
     models = [m for m in args.models.split(",") if m]
     engines = [e for e in args.engines.split(",") if e]
-    for name, known in (("model", MODELS), ("engine", ENGINES)):
-        unknown = set(models if name == "model" else engines) - set(known)
+    formats = [f for f in args.formats.split(",") if f]
+    chosen = {"model": models, "engine": engines, "format": formats}
+    for name, known in (("model", MODELS), ("engine", ENGINES), ("format", FORMATS)):
+        unknown = set(chosen[name]) - set(known)
         if unknown:
             parser.error(
                 f"unknown {name}(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}"
@@ -1182,7 +1192,7 @@ def main() -> None:
     out_json = args.json or (QUICK_JSON if args.quick else DEFAULT_JSON)
 
     started = time.perf_counter()
-    prepared = {m: prepare(m, engines, args.threads) for m in models}
+    prepared = {m: prepare(m, engines, args.threads, formats) for m in models}
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     variants = [v for m in models for v in prepared[m][0]]
     orders = round_orders([v.key for v in variants], args.rounds, seed)

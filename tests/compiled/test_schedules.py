@@ -109,9 +109,39 @@ TUNINGS = {
 
 
 def test_gemm_tuning_follows_the_cpu() -> None:
-    """Half the L2 per chunk (a default where sysfs says nothing), ymm long-K tiles on Zen 4."""
-    assert GemmTuning.for_cpu(2 << 20, "sapphirerapids") == GemmTuning(1 << 20, False)
-    assert GemmTuning.for_cpu(None, "znver4") == GemmTuning(DEFAULT_L2_BYTES // 2, True)
+    """Half the L2 per chunk (a default where sysfs says nothing); ymm long-K tiles and the
+    streaming GEMV on Zen 4 only."""
+    assert GemmTuning.for_cpu(2 << 20, "sapphirerapids") == GemmTuning(1 << 20, False, False)
+    assert GemmTuning.for_cpu(None, "znver4") == GemmTuning(DEFAULT_L2_BYTES // 2, True, True)
+
+
+@pytest.mark.parametrize("stream_w", [False, True], ids=["4-row", "zen4"])
+def test_gemv_tunings_match_numpy(monkeypatch, stream_w: bool) -> None:
+    """The float-W GEMV either way (Zen 4: one W row per tile up to GEMV_SINGLE_ROW_MAX_K,
+    beyond it 4 rows with the tile GEMV_PREFETCH_TILES ahead prefetched, clamped at the last
+    row), with the small-M and batch variants that share its chunks, on shapes no tile
+    divides."""
+    tuning = GemmTuning(stream_w=stream_w)
+    monkeypatch.setattr(cpu_schedules, "gemm_tuning", lambda target: tuning)
+    # Prefetches per K step at N = 36, K = 1040 (16 lanes, chunks of 4 columns). Either way
+    # the batch variant's 1 (one W row per row tile). Without: 1 in each small-M variant
+    # (MR = 2, 4, 7). Zen 4: the whole next tile there (NR = 4, 2, 2) and in the long-K GEMV
+    # the tile GEMV_PREFETCH_TILES ahead (NR = 4).
+    (func,) = _scheduled_prim_funcs(_module(36, 1040, "float32", "none")).values()
+    prefetches = func.script().count("llvm.prefetch")
+    assert prefetches == (1 + 4 + 2 + 2 + 4 if stream_w else 1 + len(ROWS_VARIANTS))
+    for n, k in [(30, 40), (200, 72), (36, 1040), (30, 1028)]:
+        vm = _vm(_module(n, k, "float32", "residual"))
+        w = RNG.standard_normal((n, k)).astype("float32")
+        b = RNG.standard_normal(n).astype("float32")
+        for rows in (1, 2, 5, 17):
+            x = RNG.standard_normal((1, rows, k)).astype("float32")
+            r = RNG.standard_normal((1, rows, n)).astype("float32")
+            got = vm["main"](*[tvm.runtime.tensor(a) for a in (x, w, b, r)]).numpy()
+            want = _reference(x, w, b, r, "residual")
+            np.testing.assert_allclose(
+                got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=f"N={n} K={k} M={rows}"
+            )
 
 
 @pytest.mark.parametrize("tuning", TUNINGS.values(), ids=TUNINGS.keys())

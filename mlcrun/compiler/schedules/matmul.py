@@ -10,7 +10,10 @@ output's horizontal sum (log2(lanes) vector halving steps, `_tree_sum`) and the 
 the same kernel serves decode, verification and prefill, in three kinds of variant:
 
 * GEMV (M = 1, decode): MR = 1. Memory bound; the weight is streamed once and >= 32 chunks
-  of N are spread over the thread pool. Measured at the speed of a pure read stream.
+  of N are spread over the thread pool. Measured at the speed of a pure read stream on an
+  Intel Xeon with NR = 4 W rows per tile; on Zen 4 a float W is read as one stream per chunk
+  (NR = 1) where rows are short, and 4 rows with a software prefetch where they are long
+  (`GEMV_SINGLE_ROW_MAX_K`).
 * Small M (2 <= M < `GEMM_MIN_ROWS`: a verify of K+1 tokens, batched decode): one tile of
   MR = 2, 4 or 7 rows (`ROWS_VARIANTS`, the smallest that covers M; A is padded to MR rows)
   and NR columns (MR*NR accumulators under 1 KiB, see `GEMM_MR`). The rows loop innermost
@@ -29,7 +32,8 @@ the same kernel serves decode, verification and prefill, in three kinds of varia
   tile arrives while this one computes. Qwen2.5-0.5B shape, F32, `mlcrun bench --mode kernel
   -b 8,16`, two threads, Intel Xeon: 8 sequences 62-64 -> 82-88 tok/s, 16 sequences 93-101
   -> 110-124 (prefetch alone: +15-23% of that). The small-M variants (one row tile)
-  prefetch the next tile's first row the same way.
+  prefetch the next tile's first row the same way; on Zen 4 all its rows
+  (`ROWS_PREFETCH_TILES`).
   A quantized W keeps the GEMM from GEMM_MIN_ROWS: re-reading it per row tile would unpack it
   again each time.
 * GEMM (M >= `BATCH_MAX_ROWS`, or `GEMM_MIN_ROWS` for a quantized W: prefill, large decode
@@ -63,7 +67,7 @@ into an L2-sized [nb, K] buffer that all row tiles of A then reuse; tasks are wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.gpu.matmul import IterKind, IterTrait, make_iter_fusion_index_map
@@ -102,6 +106,21 @@ ROWS_VARIANTS = (2, 4, 7)  # MR of the small-M variants: each serves M up to its
 BATCH_MR = 2  # rows per tile of the batch variant (fp32 W, GEMM_MIN_ROWS <= M < BATCH_MAX_ROWS)
 BATCH_MAX_ROWS = 32  # from here the GEMM's L2 chunks pay (see "Batch" in the module doc)
 PREFETCH_LOCALITY = 2  # llvm.prefetch locality of the row variants' W prefetch (prefetcht1)
+# The GEMV of a float W on Zen 4 (`GemmTuning.stream_w`). Tiles of NR = 4 W rows read 4
+# streams a row apart; with K <= GEMV_SINGLE_ROW_MAX_K a row is only 36-56 cache lines, so the
+# hardware prefetchers keep retraining on short streams. One row per tile reads each chunk as
+# one contiguous stream; with longer rows 4 streams (more misses in flight) win, given a
+# software prefetch of the tile GEMV_PREFETCH_TILES ahead. 2 threads, Zen 4, GB/s of W read,
+# (NR=4 -> chosen): SmolLM2 qkv 21.7 -> 28.9, o 29.6 -> 56.3 (L3-resident), gate_up 23.5 ->
+# 43.4, lm_head 20.3 -> 27.4 (1 row); down (K = 1536) 30.3 -> 40.5, Qwen2.5-0.5B down
+# (K = 4864) 40.8 -> 43.1 (prefetch; one row there: 28.7, 32.1); Qwen gate_up 27.9 -> 49.5.
+GEMV_SINGLE_ROW_MAX_K = 1023
+GEMV_PREFETCH_TILES = 2
+# The small-M variants have one row tile, so the batch variant's prefetch (one W row of the
+# next tile per row tile) fetched only the first of its NR rows. On Zen 4 all NR rows, one
+# tile ahead: SmolLM2's 30 layers + lm_head, 2 threads, M = 2: 25.7 -> 19.8 ms, M = 4:
+# 29.0 -> 20.1 ms (M = 1: 17.0; so a 4-token step 1.18x a 1-token one).
+ROWS_PREFETCH_TILES = 1
 DEFAULT_L2_BYTES = 1024 * 1024  # a core's L2 where the machine does not say (Zen 4: 1 MiB)
 GEMM_MIN_CHUNKS = 8  # a GEMM with a dequantized W runs one task per chunk: keep some
 GEMV_MIN_CHUNKS = 32  # parallel chunks for the GEMV: the pool splits a loop statically
@@ -111,16 +130,19 @@ QUANT_GROUP = 32  # elements per scale of the quantized formats (quant/presets.p
 
 @dataclass(frozen=True)
 class GemmTuning:
-    """What the GEMM variant's tiling takes from the CPU it is compiled for (see GEMM_MR)."""
+    """What the matmul tiling takes from the CPU it is compiled for (see GEMM_MR, GEMV_*)."""
 
     l2_block_bytes: int = DEFAULT_L2_BYTES // 2  # W rows per parallel chunk stay within this
     long_k_ymm: bool = False  # 6 x 4 tiles of 8 lanes from K = GEMM_LONG_K (Zen 4)
+    stream_w: bool = False  # a float W's GEMV and small-M tiles shaped for Zen 4's prefetchers
 
     @classmethod
     def for_cpu(cls, l2_bytes: int | None, mcpu: str) -> GemmTuning:
-        """Chunks of half the L2 (the other half: A tiles, the epilogue, prefetch), and the
-        ymm long-K tiles where a zmm FMA is two ymm halves (Zen 4: `znver4`)."""
-        return cls((l2_bytes or DEFAULT_L2_BYTES) // 2, mcpu == "znver4")
+        """Chunks of half the L2 (the other half: A tiles, the epilogue, prefetch); on Zen 4
+        (`znver4`) the ymm long-K tiles (a zmm FMA is two ymm halves there) and the GEMV and
+        small-M tiles shaped for its prefetchers (GEMV_SINGLE_ROW_MAX_K)."""
+        zen4 = mcpu == "znver4"
+        return cls((l2_bytes or DEFAULT_L2_BYTES) // 2, long_k_ymm=zen4, stream_w=zen4)
 
 
 @dataclass(frozen=True)
@@ -132,6 +154,7 @@ class TileConfig:
     lanes: int
     nb: int  # columns per parallel chunk (multiple of nr, divides N)
     kind: str = "gemv"  # "gemv" (M = 1), "rows" (small M) or "gemm"
+    prefetch_tiles: int = 0  # GEMV of a float W: prefetch the W tile this many tiles ahead
 
     @property
     def inline_weight(self) -> bool:
@@ -240,11 +263,13 @@ def tile_config(
     mr: int = 1,
     nb: int | None = None,
     tuning: GemmTuning = GemmTuning(),  # noqa: B008 - frozen, shared default
+    float_weight: bool = False,
 ) -> TileConfig:
     """Tile sizes of a `kind` variant with `mr` rows per tile (GEMV, small M): MR x NR
     accumulators must fit the register file (32 zmm with AVX-512) and stay under 1 KiB (the
     stack, see GEMM_MR). `nb` imposes another variant's chunking (the small-M variants run in
-    the GEMV's parallel loop), NR then the largest that divides it."""
+    the GEMV's parallel loop), NR then the largest that divides it. `float_weight`: W is read
+    as it is stored (no dequantize), which decides the GEMV's shape on Zen 4."""
     max_lanes = max(vector_bits // info.acc_bits, 1)
     lanes = _largest_divisor(info.k, [c for c in (64, 32, 16, 8, 4, 2) if c <= max_lanes])
     if kind == "gemm":
@@ -267,7 +292,12 @@ def tile_config(
     tiles = info.n // nr
     # GEMV: no reuse across chunks, so prefer many small chunks for load balance.
     divisors = [d for d in range(1, tiles + 1) if tiles % d == 0 and tiles // d >= GEMV_MIN_CHUNKS]
-    return TileConfig(mr=mr, nr=nr, lanes=lanes, nb=nr * max(divisors, default=1), kind=kind)
+    cfg = TileConfig(mr=mr, nr=nr, lanes=lanes, nb=nr * max(divisors, default=1), kind=kind)
+    if kind == "gemv" and float_weight and tuning.stream_w:  # see GEMV_SINGLE_ROW_MAX_K
+        if info.k <= GEMV_SINGLE_ROW_MAX_K:
+            return replace(cfg, nr=1)  # same chunks: the small-M variants share them
+        return replace(cfg, prefetch_tiles=GEMV_PREFETCH_TILES)
+    return cfg
 
 
 def _weight_producer(
@@ -425,7 +455,7 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     init = sch.decompose_reduction(rf, ko)
     sch.vectorize(sch.get_loops(init)[-1])
     func = sch.mod["main"]
-    if cfg.kind == "rows" and float_w is not None:
+    if float_w is not None and (cfg.kind == "rows" or cfg.prefetch_tiles):
         loops = [sch.get(loop).loop_var for loop in (no, nm, mo, ko)]
         func = func.with_body(_prefetch_next_tile(func.body, float_w, loops, cfg, info))
     return func
@@ -434,24 +464,32 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
 def _prefetch_next_tile(
     body: tirx.Stmt, w: tirx.Buffer, loops: list, cfg: TileConfig, info: MatmulInfo
 ) -> tirx.Stmt:
-    """Prefetch the next column tile's W rows while this one computes (module doc, "Batch").
-    Each K step of row tile `mo` touches one cache line of W row `next tile + mo % NR`, at the
-    same K offset, so the NR rows of the next tile are fetched during the row tiles of this one
-    instead of stalling its first row tile."""
+    """Prefetch a later column tile's W rows while this one computes (module doc, "Batch").
+    Row variants: each K step of row tile `mo` touches one cache line of W row `next tile +
+    mo % NR`, at the same K offset, so the NR rows of the next tile are fetched during the row
+    tiles of this one instead of stalling its first row tile. GEMV (`cfg.prefetch_tiles`):
+    each K step touches that K offset's cache line in all NR rows of the tile so many ahead."""
     chunk, tile, row_tile, k_step = loops
 
     def const(value: int, dtype: str = str(chunk.ty)) -> tirx.PrimExpr:
         return tirx.IntImm(dtype, value)
 
-    row = chunk * const(cfg.nb) + (tile + const(1)) * const(cfg.nr)
-    row = tirx.min(row + tirx.floormod(row_tile, const(cfg.nr)), const(info.n - 1))
-    addr = tirx.address_of(tirx.BufferLoad(w, [row, k_step * const(cfg.lanes)]))
-    # llvm.prefetch(ptr, rw = read, locality = 2 (prefetcht1: L2 and out), cache = data)
-    args = [const(v, "int32") for v in (0, PREFETCH_LOCALITY, 1)]
-    prefetch = tirx.Evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", addr, *args))
+    def prefetch(row: tirx.PrimExpr) -> tirx.Stmt:
+        row = tirx.min(row, const(info.n - 1))
+        addr = tirx.address_of(tirx.BufferLoad(w, [row, k_step * const(cfg.lanes)]))
+        # llvm.prefetch(ptr, rw = read, locality = 2 (prefetcht1: L2 and out), cache = data)
+        args = [const(v, "int32") for v in (0, PREFETCH_LOCALITY, 1)]
+        return tirx.Evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", addr, *args))
+
+    ahead = max(cfg.prefetch_tiles, 1)
+    first = chunk * const(cfg.nb) + (tile + const(ahead)) * const(cfg.nr)
+    if cfg.prefetch_tiles:
+        stmts = [prefetch(first + const(r)) for r in range(cfg.nr)]
+    else:
+        stmts = [prefetch(first + tirx.floormod(row_tile, const(cfg.nr)))]
 
     def prepend(loop: tirx.For) -> tirx.For:
-        new_body = tirx.SeqStmt([prefetch, loop.body])
+        new_body = tirx.SeqStmt([*stmts, loop.body])
         return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, new_body,
                         loop.thread_binding, loop.annotations)  # fmt: skip
 
@@ -561,6 +599,18 @@ def _chain(variants: list) -> tirx.Stmt:
     return first.body if not rest else tirx.IfThenElse(cond, first.body, _chain(rest))
 
 
+def _small_m_config(
+    info: MatmulInfo, vector_bits: int, mr: int, nb: int | None, tuning: GemmTuning, float_w: bool
+) -> TileConfig:
+    """A small-M variant: one row tile of `mr` rows. On Zen 4 a float W's next column tile is
+    prefetched whole (all NR rows) during this one (ROWS_PREFETCH_TILES); the batch variant's
+    row tiles share that prefetch out instead, one W row each."""
+    cfg = tile_config(info, vector_bits, "rows", mr, nb=nb)
+    if float_w and tuning.stream_w:
+        cfg = replace(cfg, prefetch_tiles=ROWS_PREFETCH_TILES)
+    return cfg
+
+
 def schedule(
     func: tirx.PrimFunc,
     vector_bits: int,
@@ -582,15 +632,15 @@ def schedule(
         elif m >= GEMM_MIN_ROWS:
             cfg = tile_config(info, vector_bits, "rows", BATCH_MR)
         elif m == 1:
-            cfg = tile_config(info, vector_bits, "gemv")
+            cfg = tile_config(info, vector_bits, "gemv", tuning=tuning, float_weight=batch)
         else:
             mr = next(r for r in ROWS_VARIANTS if r >= m)
-            cfg = tile_config(info, vector_bits, "rows", mr)
+            cfg = _small_m_config(info, vector_bits, mr, None, tuning, batch)
         return schedule_matmul(func, info, cfg)
-    gemv = tile_config(info, vector_bits, "gemv")
+    gemv = tile_config(info, vector_bits, "gemv", tuning=tuning, float_weight=batch)
     small = [(2, schedule_matmul(func, info, gemv))]
     for mr in ROWS_VARIANTS:
-        cfg = tile_config(info, vector_bits, "rows", mr, nb=gemv.nb)
+        cfg = _small_m_config(info, vector_bits, mr, gemv.nb, tuning, batch)
         small.append((mr + 1, schedule_matmul(func, info, cfg)))
     if batch:
         cfg = tile_config(info, vector_bits, "rows", BATCH_MR, nb=gemv.nb)
