@@ -101,6 +101,22 @@ def test_matmul_matches_numpy(n: int, k: int, dtype: str, epilogue: str) -> None
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.sqrt(k), err_msg=f"M={rows}")
 
 
+def _check_fp32_residual_matmuls(shapes: list[tuple[int, int]], rows_list: tuple) -> None:
+    """`r + x @ w.T` in fp32 against numpy for each (N, K) and each row count M."""
+    for n, k in shapes:
+        vm = _vm(_module(n, k, "float32", "residual"))
+        w = RNG.standard_normal((n, k)).astype("float32")
+        b = RNG.standard_normal(n).astype("float32")
+        for rows in rows_list:
+            x = RNG.standard_normal((1, rows, k)).astype("float32")
+            r = RNG.standard_normal((1, rows, n)).astype("float32")
+            got = vm["main"](*[tvm.runtime.tensor(a) for a in (x, w, b, r)]).numpy()
+            want = _reference(x, w, b, r, "residual")
+            np.testing.assert_allclose(
+                got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=f"N={n} K={k} M={rows}"
+            )
+
+
 TUNINGS = {
     "zen4-few-rows": GemmTuning(l2_block_bytes=16 * 1024, long_k_ymm=True),
     "few-rows": GemmTuning(l2_block_bytes=16 * 1024, long_k_ymm=False),
@@ -130,18 +146,7 @@ def test_gemv_tunings_match_numpy(monkeypatch, stream_w: bool) -> None:
     (func,) = _scheduled_prim_funcs(_module(36, 1040, "float32", "none")).values()
     prefetches = func.script().count("llvm.prefetch")
     assert prefetches == (1 + 4 + 2 + 2 + 4 if stream_w else 1 + len(ROWS_VARIANTS))
-    for n, k in [(30, 40), (200, 72), (36, 1040), (30, 1028)]:
-        vm = _vm(_module(n, k, "float32", "residual"))
-        w = RNG.standard_normal((n, k)).astype("float32")
-        b = RNG.standard_normal(n).astype("float32")
-        for rows in (1, 2, 5, 17):
-            x = RNG.standard_normal((1, rows, k)).astype("float32")
-            r = RNG.standard_normal((1, rows, n)).astype("float32")
-            got = vm["main"](*[tvm.runtime.tensor(a) for a in (x, w, b, r)]).numpy()
-            want = _reference(x, w, b, r, "residual")
-            np.testing.assert_allclose(
-                got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=f"N={n} K={k} M={rows}"
-            )
+    _check_fp32_residual_matmuls([(30, 40), (200, 72), (36, 1040), (30, 1028)], (1, 2, 5, 17))
 
 
 @pytest.mark.parametrize("tuning", TUNINGS.values(), ids=TUNINGS.keys())
@@ -150,18 +155,7 @@ def test_gemm_tunings_match_numpy(monkeypatch, tuning: GemmTuning) -> None:
     chunk, or GEMM_MIN_CHUNKS), with and without Zen 4's 6x8-lane long-K tiles, on shapes no
     tile divides (N = 30: NR = 3; K = 1028: 4 lanes) and M not a multiple of the tile rows."""
     monkeypatch.setattr(cpu_schedules, "gemm_tuning", lambda target: tuning)
-    for n, k in [(36, 1040), (30, 1028), (200, 72)]:
-        vm = _vm(_module(n, k, "float32", "residual"))
-        w = RNG.standard_normal((n, k)).astype("float32")
-        b = RNG.standard_normal(n).astype("float32")
-        for rows in (BATCH_MAX_ROWS, 37, 40):
-            x = RNG.standard_normal((1, rows, k)).astype("float32")
-            r = RNG.standard_normal((1, rows, n)).astype("float32")
-            got = vm["main"](*[tvm.runtime.tensor(a) for a in (x, w, b, r)]).numpy()
-            want = _reference(x, w, b, r, "residual")
-            np.testing.assert_allclose(
-                got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=f"N={n} K={k} M={rows}"
-            )
+    _check_fp32_residual_matmuls([(36, 1040), (30, 1028), (200, 72)], (BATCH_MAX_ROWS, 37, 40))
 
 
 @pytest.mark.parametrize(
