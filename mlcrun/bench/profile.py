@@ -42,9 +42,12 @@ def profile_decode(
     steps: int = 16,
     rounds: int = 5,
     clock: Callable[[], float] = time.perf_counter,
+    tokens: int = 1,
 ) -> dict:
     """Decode `steps` tokens for `batch` sequences of `depth` tokens, timing each VM call, in
-    `rounds` alternating unhooked/hooked runs. Returns {"step_ms", "batch", "depth",
+    `rounds` alternating unhooked/hooked runs; with `tokens` > 1 each step is instead a verify
+    of a `tokens`-node chain per sequence and its commit (a speculative step that accepts every
+    draft). Returns {"step_ms", "batch", "depth", "tokens",
     "hook_us": [a, b] (the fitted in-interval hook cost: a + b per argument, microseconds),
     "kernels": [{"name", "calls", "ms", "share"}]}: per-step milliseconds (medians over the
     rounds), largest first; shares of the unhooked step time. `clock`: e.g. time.thread_time
@@ -67,9 +70,10 @@ def profile_decode(
                 samples[len(args)].append(elapsed)
         return 0  # VMInstrumentReturnKind.kNoOp
 
-    # Every round decodes 2 * steps tokens (then pops them), plus one warm-up token.
+    # Every round adds 2 * steps * tokens tokens (then pops them), after one warm-up step.
     page = model.artifact.page_size
-    capacity = batch * (-(-(depth + 2 * steps + 1) // page) + 1) * page  # whole pages each
+    grown = depth + (2 * steps + 1) * tokens
+    capacity = batch * (-(-grown // page) + 1) * page  # whole pages each
     model.create_kv_cache(max_num_sequence=batch, max_total_sequence_length=capacity)
     rng = np.random.default_rng(0)
     seqs = list(range(batch))
@@ -79,19 +83,27 @@ def profile_decode(
             model.batch_prefill(
                 model.token_embed(rng.integers(0, 100, depth).tolist()), [s], [depth]
             )
-    ids = rng.integers(0, 100, batch).tolist()
+    ids = rng.integers(0, 100, batch * tokens).tolist()
+    chain = list(range(-1, tokens - 1)) * batch  # each sequence's parent pointers
+
+    def one_step() -> None:
+        if tokens == 1:
+            model.batch_decode(model.token_embed(ids), seqs)
+            return
+        model.batch_verify(model.token_embed(ids), seqs, [tokens] * batch, chain)
+        model.commit_accepted_token_tree_nodes(seqs, [tokens - 1] * batch)
 
     def run() -> float:
         start = clock()
         for _ in range(steps):
-            model.batch_decode(model.token_embed(ids), seqs)
+            one_step()
         return (clock() - start) / steps
 
     unhooked: list[float] = []
     hooks: list[tuple[float, float]] = []
     rows: list[dict[str, tuple[float, int]]] = []  # per round: name -> (s per step, calls)
     try:
-        model.batch_decode(model.token_embed(ids), seqs)  # warm-up
+        one_step()  # warm-up
         for _ in range(rounds):
             step = run()
             for table in (totals, calls, num_args, samples):
@@ -102,7 +114,7 @@ def profile_decode(
             finally:
                 model.set_vm_instrument(None)
             for s in seqs:
-                model.popn(s, 2 * steps)
+                model.popn(s, 2 * steps * tokens)
             hook = _fit(samples)
             unhooked.append(step)
             hooks.append(hook)
@@ -123,6 +135,7 @@ def profile_decode(
         "step_ms": 1e3 * step,
         "batch": batch,
         "depth": depth,
+        "tokens": tokens,
         "hook_us": hook_us,
         "kernels": kernels,
     }

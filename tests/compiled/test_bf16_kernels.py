@@ -99,5 +99,6 @@ def test_matmul_and_epilogue_are_one_vdpbf16ps_kernel():
     assert "mlcrun_dpbf16ps" in script and "T.parallel" in script
     assert "matmul_intermediate" not in script  # the epilogue reads the accumulators
     assert funcs[matmuls[0]].attrs.get("tirx.is_scheduled")
+    assert "llvm.prefetch" in script  # a later tile's weights, by the first row tile
     rounding = funcs["bf16_activations"]
     assert rounding.attrs.get("tirx.is_scheduled") and "mlcrun_cvtne2ps2bf16" in rounding.script()

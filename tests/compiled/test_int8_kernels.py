@@ -162,6 +162,11 @@ def test_matmul_and_epilogue_are_one_vnni_kernel(preset):
     assert "vpdpbusd.512" in script and "T.parallel" in script
     assert "matmul_intermediate" not in script  # the epilogue reads the accumulators
     assert funcs[matmuls[0]].attrs.get("tirx.is_scheduled")
+    # each micro-kernel prefetches, per group and panel, a later tile's 256 weight bytes (4
+    # lines) and the line of its scales (and of its mins)
+    per_panel = 4 + (1 if preset.startswith("q4f16_0") else 2)
+    prefetches = script.count("llvm.prefetch")
+    assert prefetches and prefetches % per_panel == 0, prefetches
     quantize = funcs["quantize_activations"]
     assert (
         quantize.attrs.get("tirx.is_scheduled") and "llvm.vector.reduce.fmax" in quantize.script()

@@ -129,10 +129,20 @@ def test_sequence_bookkeeping_follows_the_cache(model):
         model.sequence_length(1)
 
 
-def test_profile_runs_more_steps_than_the_slack_and_names_other(model):
-    profile = profile_decode(model, batch=2, depth=16, steps=40, rounds=2)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_profile_runs_more_steps_than_the_slack_and_names_other(model, tokens):
+    """tokens = 3: each step a verify of a 3-token chain per sequence and its commit, which the
+    cache must have room for (3 x 2 x 30 tokens per round beyond the depth, within the test
+    model's 256-token window)."""
+    steps = 40 if tokens == 1 else 30
+    profile = profile_decode(model, batch=2, depth=16, steps=steps, rounds=2, tokens=tokens)
+    assert profile["tokens"] == tokens
     names = [k["name"] for k in profile["kernels"]]
     assert "other" in names and "VM builtins" in names
+    assert any("attention" in name for name in names)
+    for seq in (0, 1):  # every sequence removed again
+        with pytest.raises(MlcrunError, match="not in the KV cache"):
+            model.sequence_length(seq)
     assert profile["step_ms"] > 0 and all(k["ms"] >= 0 for k in profile["kernels"])
     assert all(0 <= k["share"] for k in profile["kernels"])
 
