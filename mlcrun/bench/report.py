@@ -3,7 +3,9 @@
 A document is {"schema", "mode", "created", "command", "mlcrun_version", "machine", "model",
 "config", "runs"}. Mode "kernel" has kernel runs (one per test, like llama-bench's pp/tg rows,
 plus tv rows: verify runs, which add "verify_len" and "tg_step_ratio") and may have "skipped"
-(the tests that did not fit the context window, with why) and "profile"; any other mode has
+(the tests that did not fit the context window, with why), "profile" and, with verify tests,
+"verify_profile" (bench/profile.py: a decode step's and a verify step's kernels); any other
+mode has
 serving runs (one per concurrency or request rate). `validate` spells out each run's keys.
 """
 
@@ -309,10 +311,11 @@ def kernel_table(doc: dict) -> Table:
 
 
 def profile_table(profile: dict) -> Table:
-    """bench/profile.py's decode-step profile: milliseconds per step by kernel."""
+    """bench/profile.py's profile of a decode (or verify) step: milliseconds by kernel."""
+    tokens = profile.get("tokens", 1)
+    step = "one decode step" if tokens == 1 else f"one verify step of {tokens} tokens"
     title = (
-        f"one decode step: {profile['step_ms']:.2f} ms "
-        f"(batch {profile['batch']}, depth {profile['depth']})"
+        f"{step}: {profile['step_ms']:.2f} ms (batch {profile['batch']}, depth {profile['depth']})"
     )
     table = Table(title=title)
     for name in ("kernel", "calls", "ms", "share"):

@@ -82,7 +82,10 @@ def bench_command(
         "K+1 tokens at every batch size and depth, next to tg (default: none).",
     ),
     profile: bool = typer.Option(
-        False, "--profile", help="Also time every kernel of one decode step (kernel mode)."
+        False,
+        "--profile",
+        help="Also time every kernel of one decode step (kernel mode); with --verify, also of "
+        "one verify step of the largest K+1 tokens.",
     ),
     # common
     threads: int = typer.Option(None, "--threads", help="CPU threads for the model."),
@@ -144,8 +147,9 @@ def bench_command(
     from rich.console import Console
 
     Console().print(table)
-    if doc.get("profile"):
-        Console().print(report.profile_table(doc["profile"]))
+    for key in ("profile", "verify_profile"):
+        if doc.get(key):
+            Console().print(report.profile_table(doc[key]))
     if json_path:
         report.write_json(json_path, doc)
         err_console.print(f"wrote {json_path}", highlight=False)
@@ -217,10 +221,16 @@ def _kernel(model, args, threads, device, quantization, command) -> dict:
     if profile:
         from ..bench.profile import profile_decode
 
-        depth = max(t.depth for t in tests) or 128
-        doc["profile"] = profile_decode(
-            m, batch=1, depth=min(depth, m.artifact.context_window // 2)
-        )
+        depth = min(max(t.depth for t in tests) or 128, m.artifact.context_window // 2)
+        doc["profile"] = profile_decode(m, batch=1, depth=depth)
+        if drafts:  # a verify step of the largest K + 1 tokens, at the same depth
+            tokens = max(drafts) + 1
+            # profile_decode grows each sequence by (2 * steps + 1) * tokens
+            steps = min(16, ((m.artifact.context_window - depth) // tokens - 1) // 2)
+            if steps > 0:
+                doc["verify_profile"] = profile_decode(
+                    m, batch=1, depth=depth, steps=steps, tokens=tokens
+                )
     return doc
 
 

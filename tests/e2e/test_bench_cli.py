@@ -236,3 +236,20 @@ def test_kernel_profile_names_the_kernels_of_a_decode_step(artifacts, tmp_path):
     assert attention and attention[0]["calls"] == layers
     assert "rms_norm" in names and "VM builtins" in names and "other" in names
     assert "one decode step" in result.stdout
+    assert "verify_profile" not in json.loads(out.read_text())
+
+
+def test_kernel_profile_of_a_verify_step(artifacts, tmp_path):
+    out = tmp_path / "v.json"
+    args = ("--mode", "kernel", "-p", "8", "-b", "1", "-d", "16", "-n", "2", "-r", "1")
+    result = bench(artifacts("llama"), *args, "-k", "2,3", "--profile", "--json", out)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    decode, verify = doc["profile"], doc["verify_profile"]
+    assert decode["tokens"] == 1 and verify["tokens"] == 4  # the largest K + 1
+    assert verify["depth"] == 16 and verify["step_ms"] > 0
+    attention = [k for k in verify["kernels"] if "attention" in k["name"]]
+    assert attention and attention[0]["calls"] == 2  # one per layer
+    # the verify step runs the verify function's kernels, not the decode step's
+    assert {k["name"] for k in verify["kernels"]} != {k["name"] for k in decode["kernels"]}
+    assert "one verify step of 4 tokens" in result.stdout

@@ -1,5 +1,7 @@
 """The interactive REPL in a real terminal (pexpect): streaming, commands, Ctrl-C, overflow."""
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -51,9 +53,21 @@ def spawn(folder, tmp_path, *args):
         timeout=TIMEOUT,
         dimensions=(40, 200),
     )
+    child.logfile_read = io.StringIO()  # the whole session, for transcript_on_timeout
     child.expect("mlcrun chat")
     child.expect_exact(PROMPT)
     return child
+
+
+@contextlib.contextmanager
+def transcript_on_timeout(child):
+    """A wait that times out fails with the end of everything the REPL printed (pexpect's own
+    message holds only its last 100 characters)."""
+    try:
+        yield
+    except pexpect.TIMEOUT:
+        shown = child.logfile_read.getvalue()
+        pytest.fail(f"the REPL stopped printing; the end of its output:\n{shown[-4000:]}")
 
 
 def as_shown(text: str) -> str:
@@ -119,6 +133,11 @@ def test_commands_and_seeded_set(artifacts, tmp_path):
 def test_streaming_and_ctrl_c_interrupts_an_answer(long_context_artifact, tmp_path):
     args = ("--max-tokens", LONG, "--temperature", "1", "--top-p", "1", "--seed", "1")
     child = spawn(long_context_artifact, tmp_path, *map(str, args))
+    with transcript_on_timeout(child):
+        _stream_and_interrupt(child, long_context_artifact, tmp_path)
+
+
+def _stream_and_interrupt(child, long_context_artifact, tmp_path):
     assert "'max_tokens': 8000" in answer(child, f"/set min_tokens={LONG}")  # no early EOS
     params = SamplingParams(max_tokens=LONG, min_tokens=LONG, temperature=1, top_p=1, seed=1)
     start = first_words(long_context_artifact, QUESTION, params)
