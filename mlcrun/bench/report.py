@@ -5,8 +5,7 @@ A document is {"schema", "mode", "created", "command", "mlcrun_version", "machin
 plus tv rows: verify runs, which add "verify_len" and "tg_step_ratio") and may have "skipped"
 (the tests that did not fit the context window, with why), "profile" and, with verify tests,
 "verify_profile" (bench/profile.py: a decode step's and a verify step's kernels); any other
-mode has
-serving runs (one per concurrency or request rate). `validate` spells out each run's keys.
+mode has serving runs (one per concurrency or request rate). `validate` spells out each run's keys.
 """
 
 from __future__ import annotations

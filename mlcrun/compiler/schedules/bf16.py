@@ -137,7 +137,6 @@ class _MatmulKernel(PanelLoops):
 
     def __init__(self, acts, weight, out, epilogue) -> None:
         self.acts, self.weight, self.out, self.epilogue = acts, weight, out, epilogue
-        self.prefetch_tiles = PREFETCH_TILES
         self.n, self.k = _static(weight.shape[0]), _static(weight.shape[1])
         self.pairs = self.k // 2
         self.panels, self.tail = divmod(self.n, PANEL)
@@ -170,12 +169,11 @@ class _MatmulKernel(PanelLoops):
             for j in range(npn):
                 T.buffer_store(accs[r][j], zero, [all16])
         with T.serial(_c(0), _c(self.pairs)) as kp:
-            if self.prefetch_tiles:  # int8.py's: the first row tile, the tile so many ahead
+            if PREFETCH_TILES:  # int8.py's: the first row tile, the tile so many ahead
                 with T.If(m0 == _c(0)):
                     with T.Then():
                         for j in range(npn):
-                            ahead = p0 + j + self.prefetch_tiles * self.np
-                            ahead = tirx.min(ahead, _c(self.panels - 1))
+                            ahead = self.panel_ahead(p0, j)
                             prefetch(self.wf, ahead * (PANEL * self.k) + kp * (2 * PANEL))
             acts = [self._act(m0 + r, kp) for r in range(mr)]
             for j in range(npn):

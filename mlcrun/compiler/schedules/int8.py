@@ -305,6 +305,10 @@ class PanelLoops:
 
     def tail_outputs(self, rows) -> None: ...
 
+    def panel_ahead(self, p0, j: int):
+        """The panel PREFETCH_TILES tiles after panel p0 + j, clamped to the last whole one."""
+        return tirx.min(p0 + j + PREFETCH_TILES * self.np, _c(self.panels - 1))
+
     def row_tiles(self, rows, p0, npn: int) -> None:
         """All rows against panels p0 .. p0+npn-1: MR at a time, then the remainder."""
         with T.serial(_c(0), rows // MR) as mo:
@@ -330,7 +334,6 @@ class _MatmulKernel(PanelLoops):
 
     def __init__(self, ops: _Operands, out, epilogue, vnni_bits: int) -> None:
         self.ops, self.out, self.epilogue = ops, out, epilogue
-        self.prefetch_tiles = PREFETCH_TILES
         self.lanes = 16 if vnni_bits >= 512 else 8  # int32 lanes per vpdpbusd
         self.intrin = f"llvm.x86.avx512.vpdpbusd.{32 * self.lanes}"
         self.groups = ops.k // GROUP
@@ -365,9 +368,8 @@ class _MatmulKernel(PanelLoops):
         return (tirx.reinterpret(byte_t, self.wf[_ramp(off, 4 * lanes)]),)
 
     def _prefetch_group(self, panel, g) -> None:
-        """Prefetch group g of `panel` (clamped to the last whole panel): its weight bytes,
-        one cache line per 64, and the line holding its 16 scales (and mins)."""
-        panel = tirx.min(panel, _c(self.panels - 1))
+        """Prefetch group g of `panel`: its weight bytes, one cache line per 64, and the line
+        holding its 16 scales (and mins)."""
         per_group = PANEL * GROUP // (2 if self.ops.kind == "q4" else 1)  # weight bytes
         elem = 4 if self.ops.kind == "q4" else 1  # bytes per element of wf
         first = panel * (PANEL * self.cols) + g * (per_group // elem)
@@ -415,11 +417,11 @@ class _MatmulKernel(PanelLoops):
             return _ramp(_c(((r * npn + j) * PANEL) + h * lanes), lanes)
 
         with T.serial(_c(0), _c(self.groups)) as g:
-            if self.prefetch_tiles:
+            if PREFETCH_TILES:
                 with T.If(m0 == _c(0)):
                     with T.Then():
                         for j in range(npn):
-                            self._prefetch_group(p0 + j + self.prefetch_tiles * self.np, g)
+                            self._prefetch_group(self.panel_ahead(p0, j), g)
             for r in range(mr):
                 row = (m0 + r) * self.groups + g
                 init = _bcast(self._dot_start(row), lanes)
