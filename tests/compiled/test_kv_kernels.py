@@ -148,6 +148,21 @@ def test_decode(shape, dtype):
     _check_decode(shape, dtype, [1, 16, 37, 0, 100])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("factory", [A.decode_attention, A.prefill_paged_attention])
+def test_page_prefetch(factory, dtype):
+    # the decode-structure kernels prefetch, per page and KV head, every 64-byte line of the
+    # next page's 16 K and 16 V rows (in the loop over KV heads); numerics: the tests above
+    # (the last page prefetches itself)
+    h_qo, h_kv, d = 9, 3, 64
+    func = factory(h_kv, h_qo, d, dtype).with_attr("global_symbol", "main")
+    llvm_ir = tvm.compile(tvm.IRModule({"main": func}), target=cpu_target()).mod.inspect_source(
+        "ll"
+    )
+    lines = 2 * A.PAGE * d * np.dtype(dtype).itemsize // 64
+    assert llvm_ir.count("call void @llvm.prefetch") == lines
+
+
 # Batches below A.SPLIT_TASKS sequences split a sequence of more than A.MIN_SPLIT_PAGES pages
 # into chunks (merged after); a batch of many sequences takes each whole.
 DECODE_LENS = {
