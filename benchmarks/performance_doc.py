@@ -258,16 +258,22 @@ def _row(spec: dict, model: str, mode: str) -> dict:
     )
 
 
+NGRAM_TARGET = 1.5  # speculative.py's `ngram` target on the input-grounded prompts
+
+
 def _step_cost(spec: dict, model: str, mode: str, kind: str) -> str:
-    """What one speculative step cost against a plain step, end to end: tokens per forward
-    over the speedup."""
+    """What one speculative step cost against a plain step, end to end (tokens per forward
+    over the speedup), and what the target would take: the tokens per forward at that cost,
+    or the step cost at those tokens per forward."""
     k = _row(spec, model, mode).get(kind) or {}
     if not k.get("speedup") or not k.get("tokens_per_forward"):
         return ""
+    tpf, cost = k["tokens_per_forward"], k["tokens_per_forward"] / k["speedup"]
     return (
-        f"{MODEL_NAMES[model]} {mode}: {k['tokens_per_forward']:.2f} tokens per forward at "
-        f"acceptance {k['acceptance_rate']:.2f}, so each step cost "
-        f"{k['tokens_per_forward'] / k['speedup']:.2f}x a plain step"
+        f"{MODEL_NAMES[model]} {mode}: {tpf:.2f} tokens per forward at acceptance "
+        f"{k['acceptance_rate']:.2f}, each step {cost:.2f}x a plain step; "
+        f"{NGRAM_TARGET}x would take {NGRAM_TARGET * cost:.2f} tokens per forward at that cost, "
+        f"or steps of {tpf / NGRAM_TARGET:.2f}x a plain step at that yield"
     )
 
 
@@ -276,11 +282,10 @@ def _gap_ngram(spec: dict, cases: list[dict]) -> str:
         c for c in (_step_cost(spec, x["model"], x["mode"], "grounded") for x in cases) if c
     )
     return (
-        f"End to end ({costs}), a verify step costs more than its extra tokens save: at q4 the "
-        "int8 kernels make a plain step fast, so the verify's kernels (see the cost of a "
-        "K-token step above), the draft and the acceptance bookkeeping in Python weigh more, "
-        "and the adaptive length backs off; at the acceptance these prompts give, a verify "
-        "would have to cost about what a plain step does."
+        f"End to end ({costs}). A step's cost is the verify's kernels (see the cost of a "
+        "K-token step above), the lookup and the acceptance bookkeeping in Python; its yield "
+        "is what prompt lookup finds on these prompts, and the adaptive length backs off where "
+        "drafts keep failing."
     )
 
 
