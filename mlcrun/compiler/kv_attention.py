@@ -975,45 +975,25 @@ def prefill_paged_attention(
                                                 wide[0, w, hk, cc, d] = pages[
                                                     page_values[begin + pg], w, hk, cc, d
                                                 ].astype("float32")
-                                page_pass(
-                                    qv,
-                                    acc,
-                                    sc,
-                                    ra,
-                                    rb,
-                                    hx,
-                                    p,
-                                    m,
-                                    den,
-                                    wide,
-                                    0,
-                                    pg,
-                                    n,
-                                    q_n,
-                                    causal,
-                                    pages,
-                                    nxt,
-                                )
-                            else:
-                                page_pass(
-                                    qv,
-                                    acc,
-                                    sc,
-                                    ra,
-                                    rb,
-                                    hx,
-                                    p,
-                                    m,
-                                    den,
-                                    pages,
-                                    page_values[begin + pg],
-                                    pg,
-                                    n,
-                                    q_n,
-                                    causal,
-                                    pages,
-                                    nxt,
-                                )
+                            page_pass(
+                                qv,
+                                acc,
+                                sc,
+                                ra,
+                                rb,
+                                hx,
+                                p,
+                                m,
+                                den,
+                                wide if widen else pages,  # (widen: a Python bool)
+                                0 if widen else page_values[begin + pg],
+                                pg,
+                                n,
+                                q_n,
+                                causal,
+                                pages,
+                                nxt,
+                            )
                         for r in T.serial(q_n * H_qo):
                             hx[1, 0] = T.float32(0)
                             for j in T.serial(LANES):
