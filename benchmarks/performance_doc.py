@@ -258,13 +258,10 @@ def _row(spec: dict, model: str, mode: str) -> dict:
     )
 
 
-NGRAM_TARGET = 1.5  # speculative.py's `ngram` target on the input-grounded prompts
-
-
-def _step_cost(spec: dict, model: str, mode: str, kind: str) -> str:
+def _step_cost(spec: dict, model: str, mode: str, kind: str, target: float) -> str:
     """What one speculative step cost against a plain step, end to end (tokens per forward
-    over the speedup), and what the target would take: the tokens per forward at that cost,
-    or the step cost at those tokens per forward."""
+    over the speedup), and what a `target` speedup would take: the tokens per forward at that
+    cost, or the step cost at those tokens per forward."""
     k = _row(spec, model, mode).get(kind) or {}
     if not k.get("speedup") or not k.get("tokens_per_forward"):
         return ""
@@ -272,14 +269,15 @@ def _step_cost(spec: dict, model: str, mode: str, kind: str) -> str:
     return (
         f"{MODEL_NAMES[model]} {mode}: {tpf:.2f} tokens per forward at acceptance "
         f"{k['acceptance_rate']:.2f}, each step {cost:.2f}x a plain step; "
-        f"{NGRAM_TARGET}x would take {NGRAM_TARGET * cost:.2f} tokens per forward at that cost, "
-        f"or steps of {tpf / NGRAM_TARGET:.2f}x a plain step at that yield"
+        f"{target}x would take {target * cost:.2f} tokens per forward at that cost, "
+        f"or steps of {tpf / target:.2f}x a plain step at that yield"
     )
 
 
 def _gap_ngram(spec: dict, cases: list[dict]) -> str:
+    target = next(t["threshold"] for t in spec["targets"] if t["id"] == "ngram-grounded")
     costs = "; ".join(
-        c for c in (_step_cost(spec, x["model"], x["mode"], "grounded") for x in cases) if c
+        c for c in (_step_cost(spec, x["model"], x["mode"], "grounded", target) for x in cases) if c
     )
     return (
         f"End to end ({costs}). A step's cost is the verify's kernels (see the cost of a "

@@ -72,6 +72,8 @@ import math
 
 from tvm.script import tirx as T
 
+from .schedules.int8 import prefetch as prefetch_line
+
 LANES = 16  # float32 lanes of a 512-bit vector: rows per tile, dimensions per decode vector
 KEYS = 16  # keys per chunk: one page of the CPU cache
 PAGE = 16  # TVM 0.27's CPU KV-cache kernels are built for 16-token pages
@@ -226,11 +228,9 @@ def _page_macros(G: int, D: int):
 
 
 def _row_prefetch(D: int, dtype: str):
-    """A macro prefetching (into L2: llvm.prefetch locality 2) the 16 K (kv = 0) or V (kv = 1)
-    rows of KV head hk on a page, line by line. Between two visits of a layer the weights
-    stream through the caches, so at depth a page comes from DRAM, and the hardware
-    prefetchers do not run ahead of a 24 KB page read once: prefetching the next page while
-    this one is computed: see the module docstring (decode)."""
+    """A macro prefetching (into L2, as the matmul kernels do) the 16 K (kv = 0) or V (kv = 1)
+    rows of KV head hk on a page, line by line: the decode-structure kernels fetch the next
+    page this way while computing the current one (why: the module docstring, decode)."""
     per_line = 64 // (4 if dtype == "float32" else 2)  # elements per 64-byte line
     lines = max(1, D // per_line)
 
@@ -238,16 +238,7 @@ def _row_prefetch(D: int, dtype: str):
     def prefetch(pages, page, kv, hk):
         for r in T.unroll(PAGE):
             for line in T.unroll(lines):
-                T.evaluate(
-                    T.call_llvm_intrin(
-                        "void",
-                        "llvm.prefetch.p0",
-                        T.address_of(pages[page, kv, hk, r, line * per_line]),
-                        T.int32(0),
-                        T.int32(2),
-                        T.int32(1),
-                    )
-                )
+                prefetch_line(pages, page, kv, hk, r, line * per_line)
 
     return prefetch
 

@@ -98,9 +98,9 @@ def _with_body(func: tirx.PrimFunc, body) -> tirx.PrimFunc:
     return func.with_body(s_tir.SBlockRealize([], True, root))
 
 
-def prefetch(buf, index) -> None:
-    """Emit a prefetch of the cache line holding buf[index] (a flat buffer)."""
-    addr = tirx.address_of(tirx.BufferLoad(buf, [index]))
+def prefetch(buf, *index) -> None:
+    """Emit a prefetch of the cache line holding buf[index] (one index per dimension)."""
+    addr = tirx.address_of(tirx.BufferLoad(buf, list(index)))
     # llvm.prefetch(ptr, rw = read, locality = 2 (prefetcht1: L2 and out), cache = data)
     args = [tirx.const(v, "int32") for v in (0, 2, 1)]
     T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", addr, *args))
