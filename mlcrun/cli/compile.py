@@ -34,10 +34,10 @@ def compile_command(
     activations: str = typer.Option(
         "auto",
         "--activations",
-        help="Quantized matmuls: int8 (q4/q8: activations quantized per 32, VNNI dot "
-        "products), bf16 (q0bf16: activations rounded to bf16, AVX512-BF16 vdpbf16ps), exact "
-        "(float32 activations, results exact in fp32), or auto (int8 / bf16 where the CPU "
-        "has VNNI / AVX512-BF16).",
+        help="Quantized matmuls: int8 (q4/q8: activations quantized per 32, integer dot "
+        "products with VNNI or AVX2), bf16 (q0bf16: activations rounded to bf16, AVX512-BF16 "
+        "vdpbf16ps), exact (float32 activations, results exact in fp32), or auto (int8 / bf16 "
+        "where the CPU has AVX2 / AVX512-BF16).",
     ),
     kv_dtype: str = typer.Option(
         "float32",

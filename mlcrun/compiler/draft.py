@@ -253,7 +253,7 @@ def build_draft(
     tvm_target = tvm.target.Target(art.target)
     progress.phase("Exporting model")
     cfg = ModelConfig.from_dict(art.model)
-    # The draft's q4/q8 layers run on int8 activations where the CPU has VNNI, whatever the
+    # The draft's q4/q8 layers run on int8 activations where the CPU has them, whatever the
     # target's (a q0f32 target has none): a draft is for speed, and the target checks it.
     activations = resolve_activations("auto", tvm_target, quantization)
     mod, params = export_model(cfg, tvm_target, quantization, activations, art.kv_dtype)

@@ -11,8 +11,8 @@ from ..quant import ACTIVATIONS, PRESETS, get_preset, uses_bf16, uses_int8
 QUANTIZATIONS = ("auto", *PRESETS)
 DEVICES = ("cpu", "cuda")
 # How quantized matmuls treat activations (quant/presets.py): "auto" is int8 for q4/q8 where
-# the target has VNNI (AVX512-VNNI or AVX-VNNI), bf16 for q0bf16 where it has AVX512-BF16,
-# exact (float32) elsewhere and on CUDA.
+# the target has an int8 dot product (VNNI, or AVX2's vpmaddubsw), bf16 for q0bf16 where it has
+# AVX512-BF16, exact (float32) elsewhere and on CUDA.
 ACTIVATION_CHOICES = ("auto", *ACTIVATIONS)
 # The paged KV cache's dtype: float16 halves its memory and what decode attention reads
 # (attention computes in float32 either way; compiler/kv_attention.py).
@@ -47,7 +47,7 @@ class CompileOptions:
                 f"{', '.join(ACTIVATION_CHOICES)}"
             )
         if self.activations == "int8" and self.device != "cpu":
-            raise MlcrunError("--activations int8 is for --device cpu (VNNI); use exact or auto")
+            raise MlcrunError("--activations int8 is for --device cpu; use exact or auto")
         if self.activations == "bf16" and self.device != "cpu":
             raise MlcrunError(
                 "--activations bf16 is for --device cpu (AVX512-BF16); use exact or auto"
@@ -74,24 +74,24 @@ DEFAULT_CONTEXT_CAP = 8192
 
 def resolve_activations(requested: str, target, quantization: str) -> str:
     """What the artifact records and its quantized layers run: `auto` -> "int8" when the
-    preset has q4/q8 layers and `target` (a tvm Target) has VNNI, else "bf16" when it has
-    q0bf16 layers and the target AVX512-BF16, else "exact". "int8" / "bf16" on a target
-    without the instructions is refused (the kernels would run the slow reference code); on
-    a preset without such layers (q0f32, q0f16, q0bf16 for int8, q4/q8 for bf16) either
-    resolves to "exact": nothing in it would change."""
-    from .target import bf16_dot_bits, int8_dot_bits  # noqa: PLC0415 - imports TVM
+    preset has q4/q8 layers and `target` (a tvm Target) an int8 dot product (AVX2 or VNNI),
+    else "bf16" when it has q0bf16 layers and the target AVX512-BF16, else "exact". "int8" /
+    "bf16" on a target without the instructions is refused (the kernels would run the slow
+    reference code); on a preset without such layers (q0f32, q0f16, q0bf16 for int8, q4/q8
+    for bf16) either resolves to "exact": nothing in it would change."""
+    from .target import bf16_dot_bits, int8_dot  # noqa: PLC0415 - imports TVM
 
     preset = get_preset(quantization)
     has_int8 = uses_int8(preset, "int8") or uses_int8(preset.for_embedding, "int8")
     has_bf16 = uses_bf16(preset, "bf16") or uses_bf16(preset.for_embedding, "bf16")
     if requested == "auto":
-        if has_int8 and int8_dot_bits(target):
+        if has_int8 and int8_dot(target):
             return "int8"
         return "bf16" if has_bf16 and bf16_dot_bits(target) else "exact"
-    if requested == "int8" and has_int8 and not int8_dot_bits(target):
+    if requested == "int8" and has_int8 and not int8_dot(target):
         raise MlcrunError(
-            "--activations int8 needs a CPU with AVX512-VNNI or AVX-VNNI; this target has "
-            "neither (use --activations exact)"
+            "--activations int8 needs a CPU with AVX2 (or VNNI); this target has neither "
+            "(use --activations exact)"
         )
     if requested == "bf16" and has_bf16 and not bf16_dot_bits(target):
         raise MlcrunError(

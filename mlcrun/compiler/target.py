@@ -65,21 +65,39 @@ def cuda_target(arch: str = "sm_80") -> Target:
     return Target({"kind": "cuda", "arch": arch, "host": {"kind": "llvm"}})
 
 
+def _mattr(target: Target) -> set[str]:
+    return {str(a) for a in (target.attrs.get("mattr") or ())}
+
+
 def vector_bits(target: Target) -> int:
-    """SIMD register width the CPU schedules tile for (512 with AVX-512, 256 with AVX2)."""
-    width = tvm.target.codegen.llvm_get_vector_width(target)
+    """SIMD register width the CPU schedules tile for: 512 with AVX-512, 256 with AVX/AVX2,
+    128 with neither. Read from the target's features: TVM 0.27's `llvm_get_vector_width`
+    answers 512 for every x86 target, an AVX2-only one included (whose 16-lane float tiles
+    then need twice the 16 ymm registers it has)."""
+    mattr = _mattr(target)
+    if "+avx512f" in mattr:
+        return 512
+    if "+avx2" in mattr or "+avx" in mattr:
+        return 256
+    if any(a.startswith(("+", "-")) for a in mattr):  # an x86 target without AVX
+        return 128
+    width = tvm.target.codegen.llvm_get_vector_width(target)  # not set from /proc/cpuinfo
     return width if width and width > 0 else 128
 
 
-def int8_dot_bits(target: Target) -> int:
-    """Width of the int8 dot product (vpdpbusd) the target can run: 512 with AVX512-VNNI, 256
-    with AVX-VNNI only (VEX, ymm), 0 without either (or not an x86 llvm target)."""
+# How an llvm target multiplies int8 codes (compiler/schedules/int8.py), best first: 512-bit
+# vpdpbusd (AVX512-VNNI), 256-bit vpdpbusd (AVX-VNNI, VEX), and without VNNI AVX2's
+# vpmaddubsw + vpmaddwd pair (what llama.cpp uses there too).
+INT8_DOTS = ("avx512vnni", "avxvnni", "avx2")
+
+
+def int8_dot(target: Target) -> str:
+    """The int8 dot product of INT8_DOTS the target has, or "" (none: not an x86 llvm
+    target, or no AVX2)."""
     if target.kind.name != "llvm":
-        return 0
-    mattr = {str(a) for a in (target.attrs.get("mattr") or ())}
-    if "+avx512vnni" in mattr:
-        return 512
-    return 256 if "+avxvnni" in mattr else 0
+        return ""
+    mattr = _mattr(target)
+    return next((dot for dot in INT8_DOTS if f"+{dot}" in mattr), "")
 
 
 def bf16_dot_bits(target: Target) -> int:
@@ -87,7 +105,7 @@ def bf16_dot_bits(target: Target) -> int:
     0 without it (or not an x86 llvm target)."""
     if target.kind.name != "llvm":
         return 0
-    mattr = {str(a) for a in (target.attrs.get("mattr") or ())}
+    mattr = _mattr(target)
     return 512 if {"+avx512bf16", "+avx512f"} <= mattr else 0
 
 

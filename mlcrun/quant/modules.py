@@ -24,7 +24,7 @@ ops instead: `quantize_activations` (x -> int8 codes, a scale and the exact code
 group of 32; opaque, so nothing fuses into it) and `int8_matmul` (a reduction over the codes and
 the weights in the int8 layout, which FuseOps fuses epilogues into like any matmul). Their TE
 bodies are the reference semantics (correct, slow); compiler/schedules/int8.py recognises them
-by the INT8_ATTR block annotation and replaces the bodies with VNNI kernels.
+by the INT8_ATTR block annotation and replaces the bodies with VNNI or AVX2 kernels.
 
 With bf16 activations (`activations="bf16"`, transform.bf16_panels) a q0bf16 QuantLinear is
 likewise two TE ops: `bf16_activations` (x -> bf16 bits, opaque) and `bf16_matmul` (over the

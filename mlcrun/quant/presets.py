@@ -29,13 +29,14 @@ Formats (K: a Linear's input features / the embedding dim, groups of 32 along K)
 Activations (`mlcrun compile --activations`, quant/modules.py): `exact` keeps them in float32
 (the matmul dequantizes the weights: results exact in fp32), `int8` quantizes them per row and
 group of 32 to int8 (scale amax / 127, as llama.cpp's Q8_0/Q8_1) and multiplies the codes in
-int32 with VNNI (compiler/schedules/int8.py). Under `int8` the q4/q8 params are stored in the
-int8 kernels' layout (numpy_ref: panels of 16 rows, scales transposed, q8 codes offset to
+int32 with VNNI or AVX2 (compiler/schedules/int8.py). Under `int8` the q4/q8 params are stored
+in the int8 kernels' layout (numpy_ref: panels of 16 rows, scales transposed, q8 codes offset to
 uint8): same values, other order. `bf16` is the q0bf16 counterpart: activations rounded to
 bfloat16 once per row (nearest even, denormals flushed) and multiplied with AVX512-BF16's
 vdpbf16ps, products summed in float32 (compiler/schedules/bf16.py); the weights are stored in
 panels of 16 rows x 2 K-elements (numpy_ref.tile_rows(., 2)). `auto` (compiler/options.py) is
-int8 for q4/q8 where the CPU has VNNI, bf16 for q0bf16 where it has AVX512-BF16, else exact.
+int8 for q4/q8 where the CPU has AVX2 or VNNI, bf16 for q0bf16 where it has AVX512-BF16, else
+exact.
 
 Every preset but q0f32 stores the embedding table and the lm_head (tied or not) in its format
 too: in a 135M model with a 49k vocabulary they are a fifth of the weights read per token.
@@ -109,7 +110,7 @@ PRESETS: dict[str, QuantPreset] = {
 }
 
 
-# How quantized matmuls multiply: int8 activation codes with VNNI (q4/q8), bfloat16
+# How quantized matmuls multiply: int8 activation codes with VNNI or AVX2 (q4/q8), bfloat16
 # activations with AVX512-BF16 (q0bf16), or exact float32 activations.
 ACTIVATIONS = ("int8", "bf16", "exact")
 

@@ -15,7 +15,7 @@ from mlcrun import artifact
 from mlcrun.compiler.build import compile_model
 from mlcrun.compiler.draft import ArtifactTensors
 from mlcrun.compiler.options import CompileOptions
-from mlcrun.compiler.target import cpu_target, int8_dot_bits
+from mlcrun.compiler.target import cpu_target, int8_dot
 from mlcrun.quant.gguf_blocks import EXACT_PRESET
 from mlcrun.runtime import Model
 
@@ -164,7 +164,7 @@ def test_truncated_gguf_is_one_line_and_leaves_nothing(checkpoints, tmp_path):
     shutil.rmtree(tmp_path / "h", ignore_errors=True)
 
 
-@pytest.mark.skipif(not int8_dot_bits(cpu_target()), reason="no AVX512-VNNI or AVX-VNNI")
+@pytest.mark.skipif(not int8_dot(cpu_target()), reason="no AVX2 or VNNI")
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0], ids=lambda q: q.name)
 def test_int8_compile_keeps_the_gguf_blocks_in_its_layout(checkpoints, tmp_path, qtype):
     """A SmolLM2-like GGUF (Q4_1 layers, Q8_0 table; or Q4_0 layers, as llama.cpp's Q4_0

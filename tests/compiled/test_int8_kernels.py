@@ -1,5 +1,7 @@
 """int8-activation kernels (compiler/schedules/int8.py) through the real pipeline, against the
-numpy model of the same int8 math (quant/numpy_ref: quantize_activations, int8_linear).
+numpy model of the same int8 math (quant/numpy_ref: quantize_activations, int8_linear), with
+this CPU's best dot product (compiler/target.py int8_dot); every other one it can run (the
+narrower VNNI form, AVX2's pair instructions) must give the same results bit for bit.
 
 Odd shapes on purpose: N not a multiple of 16 (the last outputs run in scalar code), K a
 multiple of 32 but not of 256, and M = 1..9 rows (every remainder of the 4-row micro-kernel),
@@ -20,7 +22,7 @@ from tvm.relax.frontend import nn  # noqa: E402
 
 from mlcrun.compiler.pipeline import get_pipeline  # noqa: E402
 from mlcrun.compiler.schedules import cpu as cpu_rules  # noqa: E402
-from mlcrun.compiler.target import cpu_target, int8_dot_bits  # noqa: E402
+from mlcrun.compiler.target import cpu_target, int8_dot  # noqa: E402
 from mlcrun.quant import get_preset, numpy_ref  # noqa: E402
 from mlcrun.quant.modules import quantize_activations  # noqa: E402
 from mlcrun.quant.transform import (  # noqa: E402
@@ -29,13 +31,17 @@ from mlcrun.quant.transform import (  # noqa: E402
     weight_transform,
 )
 
-pytestmark = pytest.mark.skipif(
-    not int8_dot_bits(cpu_target()), reason="this CPU has no AVX512-VNNI or AVX-VNNI"
-)
+pytestmark = pytest.mark.skipif(not int8_dot(cpu_target()), reason="this CPU has no AVX2 or VNNI")
 RNG = np.random.default_rng(0)
 ROWS = (*range(1, 10), 17, 64)
 SHAPES = [(37, 96), (5, 32), (48, 288)]  # (N, K)
 TOL = 3e-6  # of the largest |output|
+NATIVE = int8_dot(cpu_target())
+# The dot products a CPU with NATIVE can run (512-bit VNNI comes with the 256-bit EVEX form)
+RUNNABLE = {"avx512vnni": ("avx512vnni", "avxvnni", "avx2"), "avxvnni": ("avxvnni", "avx2")}
+OTHER_DOTS = RUNNABLE.get(NATIVE, (NATIVE,))[1:]
+# What the matmul kernel's TVMScript calls for each dot product
+INTRINSIC = {"avx512vnni": "vpdpbusd.512", "avxvnni": "vpdpbusd.256", "avx2": "pmadd.ub.sw"}
 
 
 def _compile(preset: str, n: int, k: int, vocab: int):
@@ -85,10 +91,10 @@ def test_int8_kernels_match_the_numpy_int8_model(preset, n, k):
 
 @pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32"])
 def test_reference_te_bodies_read_the_same_layout(monkeypatch, preset):
-    """Without VNNI the int8 ops run their TE bodies (modules.py), which index the codes and
-    the panelled scales on their own: the same numpy model must hold for them (N = 37: a
-    short last panel)."""
-    monkeypatch.setattr(cpu_rules, "int8_dot_bits", lambda target: 0)
+    """Without an int8 dot product the int8 ops run their TE bodies (modules.py), which index
+    the codes and the panelled scales on their own: the same numpy model must hold for them
+    (N = 37: a short last panel)."""
+    monkeypatch.setattr(cpu_rules, "int8_dot", lambda target: "")
     vm, named = _compile(preset, 37, 96, 40)
     p = get_preset(preset)
     floats, _, args = block_params(preset, "int8", named, 37, 96, 40, RNG)
@@ -100,26 +106,33 @@ def test_reference_te_bodies_read_the_same_layout(monkeypatch, preset):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_avx_vnni_width_gives_the_same_results(monkeypatch):
-    """Targets with only AVX-VNNI get 256-bit vpdpbusd (two halves per 16-lane panel); this
-    CPU runs that instruction too (EVEX), so both widths are checked to agree bit for bit."""
-    vm512, named = _compile("q4f16_1", 37, 96, 40)
-    monkeypatch.setattr(cpu_rules, "int8_dot_bits", lambda target: 256)
-    vm256, _ = _compile("q4f16_1", 37, 96, 40)
-    p = get_preset("q4f16_1")
+@pytest.mark.skipif(not OTHER_DOTS, reason=f"this CPU runs only {NATIVE}")
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32"])
+def test_every_dot_product_gives_the_same_results(monkeypatch, preset):
+    """Targets with only AVX-VNNI get 256-bit vpdpbusd (two halves per 16-lane panel), those
+    with only AVX2 vpmaddubsw + vpmaddwd (q4 summed in int16 per group, q8 by the sign trick
+    from a zero start): all exact in int32, so equal to this CPU's own kernel bit for bit,
+    over every remainder of the 4-row micro-kernel, odd N and extreme codes (activations
+    +-127, q8 weights -127 and 127, q4 0 and 15)."""
+    vms = {NATIVE: _compile(preset, 37, 96, 40)[0]}
+    for dot in OTHER_DOTS:
+        monkeypatch.setattr(cpu_rules, "int8_dot", lambda target, dot=dot: dot)
+        vms[dot], named = _compile(preset, 37, 96, 40)
+    p = get_preset(preset)
     arrays = {}
     for name, shape in (("proj.weight", (37, 96)), ("embed.weight", (40, 96))):
-        arrays.update(
-            weight_transform(p, name, RNG.standard_normal(shape).astype("float32"), "int8")
-        )
+        w = RNG.standard_normal(shape).astype("float32")
+        w[:, :32] = np.where(w[:, :32] > 0, 1.0, -1.0)  # the group's max and min codes
+        arrays.update(weight_transform(p, name, w, "int8"))
     arrays["proj.bias"] = RNG.standard_normal(37).astype("float32")
     args = [tvm.runtime.tensor(arrays[name]) for name, _ in named]
-    for rows in (1, 6):
-        x = tvm.runtime.tensor(RNG.standard_normal((1, rows, 96)).astype("float32"))
-        r = tvm.runtime.tensor(np.zeros((1, rows, 37), "float32"))
-        np.testing.assert_array_equal(
-            vm512["forward"](x, r, args).numpy(), vm256["forward"](x, r, args).numpy()
-        )
+    for rows in (1, 2, 3, 4, 6, 9):
+        x = RNG.standard_normal((1, rows, 96)).astype("float32")
+        x[0, :, :32] = np.where(RNG.random((rows, 32)) > 0.5, 3.0, -3.0)  # codes +-127
+        x, r = tvm.runtime.tensor(x), tvm.runtime.tensor(np.zeros((1, rows, 37), "float32"))
+        want = vms[NATIVE]["forward"](x, r, args).numpy()
+        for dot in OTHER_DOTS:
+            np.testing.assert_array_equal(vms[dot]["forward"](x, r, args).numpy(), want, dot)
 
 
 class _Quantize(nn.Module):
@@ -154,12 +167,12 @@ def test_quantize_kernel_is_bit_exact(kind, rows):
 
 
 @pytest.mark.parametrize("preset", ["q4f16_1+q8f32", "q4f16_0+q8f32"])
-def test_matmul_and_epilogue_are_one_vnni_kernel(preset):
+def test_matmul_and_epilogue_are_one_kernel(preset):
     funcs = scheduled_forward(preset, "int8")
     matmuls = [name for name in funcs if "int8_matmul" in name]
     assert matmuls == ["fused_int8_matmul_add_add1"], sorted(funcs)  # bias + residual fused
     script = funcs[matmuls[0]].script()
-    assert "vpdpbusd.512" in script and "T.parallel" in script
+    assert INTRINSIC[NATIVE] in script and "T.parallel" in script
     assert "matmul_intermediate" not in script  # the epilogue reads the accumulators
     assert funcs[matmuls[0]].attrs.get("tirx.is_scheduled")
     # each micro-kernel prefetches, per group and panel, a later tile's 256 weight bytes (4

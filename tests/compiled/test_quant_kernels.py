@@ -18,7 +18,8 @@ from kernel_blocks import export_block  # noqa: E402
 from tvm import relax, tirx  # noqa: E402
 
 from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
-from mlcrun.compiler.schedules.matmul import GEMM_MIN_ROWS  # noqa: E402
+from mlcrun.compiler.schedules import cpu as cpu_schedules  # noqa: E402
+from mlcrun.compiler.schedules.matmul import GEMM_MIN_ROWS, GemmTuning  # noqa: E402
 from mlcrun.compiler.target import cpu_target, cuda_target  # noqa: E402
 from mlcrun.quant import get_preset  # noqa: E402
 from mlcrun.quant.modules import QuantEmbedding  # noqa: E402
@@ -52,6 +53,11 @@ def _params(preset: str, named, floats: dict[str, np.ndarray]):
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize(("n", "k"), [(7, 96), (30, 160), (64, 128)])
 def test_quantized_kernels_match_numpy(preset: str, n: int, k: int) -> None:
+    _check_block(preset, n, k, ROWS)
+
+
+def _check_block(preset: str, n: int, k: int, rows_list: tuple) -> None:
+    """forward (r + the Linear + bias), the tied head and the lookup against numpy."""
     mod, named = _export(preset, n, k)
     target = cpu_target()
     vm = relax.VirtualMachine(
@@ -63,7 +69,7 @@ def test_quantized_kernels_match_numpy(preset: str, n: int, k: int) -> None:
         "embed.weight": RNG.standard_normal((40, k)).astype("float32"),
     }
     args, w = _params(preset, named, floats)
-    for rows in ROWS:
+    for rows in rows_list:
         x = RNG.standard_normal((1, rows, k)).astype("float32")
         r = RNG.standard_normal((1, rows, n)).astype("float32")
         got = vm["forward"](tvm.runtime.tensor(x), tvm.runtime.tensor(r), args).numpy()
@@ -75,6 +81,24 @@ def test_quantized_kernels_match_numpy(preset: str, n: int, k: int) -> None:
     ids = np.array([0, 39, 5, 5], np.int32)
     got = vm["lookup"](tvm.runtime.tensor(ids), args).numpy()
     np.testing.assert_allclose(got, w["embed.weight"][ids], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("stream_w16", [False, True], ids=["4-row", "zen"])
+@pytest.mark.parametrize("preset", ["q0f16", "q0bf16"])
+def test_16_bit_weight_gemv_tunings_match_numpy(monkeypatch, preset: str, stream_w16: bool):
+    """A 16-bit W widened in the loads, either GEMV shape (GemmTuning.stream_w16, AMD Zen:
+    one W row per tile up to GEMV_SINGLE_ROW_MAX_K, beyond it 4 rows with the stored tensor
+    prefetched GEMV_PREFETCH_TILES tiles ahead, and the small-M variants prefetching the next
+    tile), on shapes no tile divides; K = 1040 takes the long-K path."""
+    tuning = GemmTuning(stream_w16=stream_w16)
+    monkeypatch.setattr(cpu_schedules, "gemm_tuning", lambda target: tuning)
+    (matmul,) = [f for name, f in _kernels(preset, 36, 1040).items() if "add" in name]
+    prefetches = matmul.script().count("llvm.prefetch")
+    # Zen: 4 rows of the tile ahead in the long-K GEMV, the whole next tile in each small-M
+    # variant (NR = 4, 2, 2 at 16 lanes; 4, 4, 2 at 8); elsewhere no prefetch of a packed W
+    assert prefetches >= 4 + 2 + 2 + 2 if stream_w16 else prefetches == 0, prefetches
+    for n, k in [(30, 160), (36, 1040)]:
+        _check_block(preset, n, k, (1, 2, 5, 9))
 
 
 def _kernels(preset: str, n: int = 64, k: int = 128) -> dict[str, tirx.PrimFunc]:

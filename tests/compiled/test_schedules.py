@@ -25,7 +25,7 @@ from mlcrun.compiler.schedules.matmul import (  # noqa: E402
     ROWS_VARIANTS,
     GemmTuning,
 )
-from mlcrun.compiler.target import cpu_target, cuda_target  # noqa: E402
+from mlcrun.compiler.target import cpu_target, cuda_target, vector_bits  # noqa: E402
 
 ROWS = (1, 3, 17, 128)
 RNG = np.random.default_rng(0)
@@ -126,9 +126,11 @@ TUNINGS = {
 
 def test_gemm_tuning_follows_the_cpu() -> None:
     """Half the L2 per chunk (a default where sysfs says nothing); ymm long-K tiles and the
-    streaming GEMV on Zen 4 only."""
-    assert GemmTuning.for_cpu(2 << 20, "sapphirerapids") == GemmTuning(1 << 20, False, False)
-    assert GemmTuning.for_cpu(None, "znver4") == GemmTuning(DEFAULT_L2_BYTES // 2, True, True)
+    streaming GEMV of a float32 W on Zen 4 only, that of a 16-bit W on every AMD Zen."""
+    half = DEFAULT_L2_BYTES // 2
+    assert GemmTuning.for_cpu(2 << 20, "sapphirerapids") == GemmTuning(1 << 20)
+    assert GemmTuning.for_cpu(None, "znver4") == GemmTuning(half, True, True, True)
+    assert GemmTuning.for_cpu(None, "znver1") == GemmTuning(half, stream_w16=True)
 
 
 @pytest.mark.parametrize("stream_w", [False, True], ids=["4-row", "zen4"])
@@ -139,13 +141,15 @@ def test_gemv_tunings_match_numpy(monkeypatch, stream_w: bool) -> None:
     divides."""
     tuning = GemmTuning(stream_w=stream_w)
     monkeypatch.setattr(cpu_schedules, "gemm_tuning", lambda target: tuning)
-    # Prefetches per K step at N = 36, K = 1040 (16 lanes, chunks of 4 columns). Either way
-    # the batch variant's 1 (one W row per row tile). Without: 1 in each small-M variant
-    # (MR = 2, 4, 7). Zen 4: the whole next tile there (NR = 4, 2, 2) and in the long-K GEMV
-    # the tile GEMV_PREFETCH_TILES ahead (NR = 4).
+    # Prefetches per K step at N = 36, K = 1040 (chunks of 4 columns). Either way the batch
+    # variant's 1 (one W row per row tile). Without: 1 in each small-M variant (MR = 2, 4,
+    # 7). Zen 4: the whole next tile there (NR = 4, 2, 2 with 16 lanes; 4, 4, 4 with AVX2's
+    # 8: the accumulators' 1 KiB) and in the long-K GEMV the tile GEMV_PREFETCH_TILES ahead
+    # (NR = 4).
     (func,) = _scheduled_prim_funcs(_module(36, 1040, "float32", "none")).values()
     prefetches = func.script().count("llvm.prefetch")
-    assert prefetches == (1 + 4 + 2 + 2 + 4 if stream_w else 1 + len(ROWS_VARIANTS))
+    small_m = 4 + 2 + 2 if vector_bits(cpu_target()) == 512 else 4 + 4 + 4
+    assert prefetches == (1 + small_m + 4 if stream_w else 1 + len(ROWS_VARIANTS))
     _check_fp32_residual_matmuls([(30, 40), (200, 72), (36, 1040), (30, 1028)], (1, 2, 5, 17))
 
 

@@ -166,7 +166,8 @@ class _Target:
     [
         ("auto", "q4f16_1", _Target("llvm", "+avx512f", "+avx512vnni"), "int8"),
         ("auto", "q4f16_1+q8f32", _Target("llvm", "+avx2", "+avxvnni"), "int8"),
-        ("auto", "q8f32", _Target("llvm", "+avx2", "+fma"), "exact"),
+        ("auto", "q8f32", _Target("llvm", "+avx2", "+fma"), "int8"),  # vpmaddubsw
+        ("auto", "q4f16_1", _Target("llvm", "+sse4.2", "-avx2"), "exact"),
         ("auto", "q4f16_1", _Target("cuda"), "exact"),
         ("exact", "q4f16_1", _Target("llvm", "+avx512vnni"), "exact"),
         ("int8", "q8f32", _Target("llvm", "+avx512vnni"), "int8"),
@@ -205,8 +206,27 @@ def test_bf16_activations_are_refused_without_avx512_bf16():
         CompileOptions(activations="bf16", device="cuda")
 
 
-def test_int8_activations_are_refused_without_vnni():
+def test_int8_activations_are_refused_without_avx2():
     from mlcrun.compiler.options import resolve_activations
 
-    with pytest.raises(MlcrunError, match="AVX512-VNNI or AVX-VNNI"):
-        resolve_activations("int8", _Target("llvm", "+avx2"), "q4f16_1")
+    with pytest.raises(MlcrunError, match="needs a CPU with AVX2"):
+        resolve_activations("int8", _Target("llvm", "+sse4.2", "-avx2"), "q4f16_1")
+
+
+@pytest.mark.parametrize(
+    ("mattr", "bits", "dot"),
+    [
+        (("+avx2", "+fma", "+avx512f", "+avx512vnni"), 512, "avx512vnni"),
+        (("+avx2", "+fma", "-avx512f", "+avxvnni"), 256, "avxvnni"),
+        (("+avx", "+avx2", "+fma", "-avx512f", "-avx512vnni", "-avxvnni"), 256, "avx2"),
+        (("+sse4.2", "-avx", "-avx2", "-avx512f"), 128, ""),
+    ],
+)
+def test_vector_width_and_int8_dot_follow_the_target_features(mattr, bits, dot):
+    """From the target's own features (TVM's llvm_get_vector_width says 512 for an AVX2-only
+    target too, which gave its float tiles twice the registers it has)."""
+    from mlcrun.compiler.target import int8_dot, vector_bits
+
+    target = _Target("llvm", *mattr)
+    assert (vector_bits(target), int8_dot(target)) == (bits, dot)
+    assert int8_dot(_Target("cuda")) == ""

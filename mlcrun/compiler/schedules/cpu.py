@@ -3,7 +3,7 @@
 Rules are tried in order; the first that applies wins:
 
 0. `int8.schedule` / `bf16.schedule`: the int8- and bf16-activation ops of quant/modules.py
-   (recognised by their block annotations), hand-written VNNI / vdpbf16ps kernels.
+   (recognised by their block annotations), hand-written int8 (VNNI, AVX2) / vdpbf16ps kernels.
 1. `matmul.schedule`: NT matmul + epilogue (every Linear); GEMV/GEMM variants, see matmul.py.
 2. Row reductions (RMSNorm, softmax, ...): the wheel's `s_tir.dlight.cpu.Reduction` (parallel
    over rows, vectorized elementwise parts) -- these are a tiny share of the time.
@@ -25,7 +25,7 @@ from tvm.s_tir.dlight.cpu import Reduction
 from tvm.target import Target
 
 from ...cpu_features import l2_cache_bytes
-from ..target import bf16_dot_bits, int8_dot_bits, vector_bits
+from ..target import bf16_dot_bits, int8_dot, vector_bits
 from . import bf16, int8, matmul
 
 LOG = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     bits = vector_bits(target)
     tuning = gemm_tuning(target)
     rules = [
-        ("int8", lambda f: int8.schedule(f, int8_dot_bits(target))),  # int8 activations (VNNI)
+        ("int8", lambda f: int8.schedule(f, int8_dot(target))),  # int8 activations
         ("bf16", lambda f: bf16.schedule(f, bf16_dot_bits(target))),  # bf16 (AVX512-BF16)
         ("matmul", lambda f: matmul.schedule(f, bits, tuning)),
         ("reduction", lambda f: schedule_reduction(f, target)),

@@ -1,4 +1,4 @@
-"""CPU kernels for int8 activations: quantize x per group of 32, multiply with VNNI.
+"""CPU kernels for int8 activations: quantize x per group of 32, multiply with VNNI or AVX2.
 
 quant/modules.py emits two TE ops per q4/q8 Linear when a model is compiled with
 `--activations int8`; their TE bodies state the math (and are what a CPU without this rule
@@ -35,8 +35,19 @@ The epilogue is applied to each output tile as it leaves the registers: the fuse
 after the matmul are inlined into one, and its value expression is evaluated with the
 accumulated sum in place of the matmul's result.
 
-Targets: 512-bit vpdpbusd with AVX512-VNNI; with only AVX-VNNI (VEX, 256-bit) each 16-lane
-tile is two 8-lane halves (same layout, same results).
+Targets (compiler/target.py `int8_dot`): 512-bit vpdpbusd with AVX512-VNNI; with only AVX-VNNI
+(VEX, 256-bit) each 16-lane tile is two 8-lane halves (same layout, same results). Without
+VNNI, AVX2 does what one vpdpbusd does in two steps, as llama.cpp does there: `vpmaddubsw`
+multiplies unsigned by signed bytes and adds neighbouring pairs into int16 lanes, and
+`vpmaddwd` by ones adds pairs of those into int32 lanes. vpmaddubsw saturates at 32767:
+* q4: codes 0..15 times activations in [-127, 127] give at most 2 * 15 * 127 = 3810 per
+  pair, so a whole group (8 vpmaddubsw into each int16 lane) stays within 30480 and is summed
+  in int16; one vpmaddwd per group then widens it.
+* q8: the stored codes + 128 (up to 255) would overflow, so the sign trick: the unsigned
+  operand is |code| (up to 128), the signed one the activations with the code's sign
+  (`vpsignb`), at most 2 * 128 * 127 = 32512 per pair; each step widens at once. The codes are
+  exact signed values then, so the int32 sum starts at 0 instead of -128 * a_sum.
+AVX2 has 16 vector registers: its tiles are one panel wide (4 rows x 2 halves).
 """
 
 from __future__ import annotations
@@ -332,19 +343,41 @@ class PanelLoops:
 class _MatmulKernel(PanelLoops):
     """Emits the matmul kernel's body with the IR builder (see the module docstring)."""
 
-    def __init__(self, ops: _Operands, out, epilogue, vnni_bits: int) -> None:
+    def __init__(self, ops: _Operands, out, epilogue, dot: str) -> None:
         self.ops, self.out, self.epilogue = ops, out, epilogue
-        self.lanes = 16 if vnni_bits >= 512 else 8  # int32 lanes per vpdpbusd
+        self.lanes = 16 if dot == "avx512vnni" else 8  # int32 lanes per dot product
         self.intrin = f"llvm.x86.avx512.vpdpbusd.{32 * self.lanes}"
+        self.pairs = dot == "avx2"  # vpmaddubsw + vpmaddwd (module doc)
         self.groups = ops.k // GROUP
         self.cols = _static(ops.weight.shape[1])  # words (q4) or bytes (q8) per row
         self.steps = 4 if ops.kind == "q4" else 8  # words / 4-byte quads per group
         self.panels, self.tail = divmod(ops.n, PANEL)
-        self.np = 2 if self.panels % 2 == 0 and self.panels >= 2 else 1
+        wide = not self.pairs and self.panels % 2 == 0 and self.panels >= 2
+        self.np = 2 if wide else 1
 
     # -- pieces
     def _dot(self, acc, weights, acts):
         return tirx.call_llvm_pure_intrin(f"int32x{self.lanes}", self.intrin, acc, weights, acts)
+
+    def _pair_dot(self, weights, acts):
+        """AVX2 vpmaddubsw: unsigned weight bytes x signed activation bytes, neighbouring
+        products added into 16 int16 lanes (saturating; see the module doc for the bounds)."""
+        return tirx.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", weights, acts)
+
+    def _widen(self, pairs):
+        """AVX2 vpmaddwd by ones: neighbouring int16 lanes added into 8 int32 lanes."""
+        ones = _bcast(tirx.const(1, "int16"), 16)
+        return tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, ones)
+
+    def _signed_q8_dot(self, acc, weights, acts):
+        """acc + the int32 dot of q8 codes (stored + 128) and activations, on AVX2: the sign
+        trick keeps vpmaddubsw's pairs under 32767 (module doc)."""
+
+        def sign(x, by):  # x with the sign of `by` (0 where by is 0); -(-128) wraps to 128
+            return tirx.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", x, by)
+
+        codes = tirx.reinterpret("int8x32", weights) ^ _bcast(tirx.const(-128, "int8"), 32)
+        return acc + self._widen(self._pair_dot(sign(codes, codes), sign(acts, codes)))
 
     def _act(self, m, offset):
         """4 activation codes at row m, column `offset`, broadcast as the signed operand."""
@@ -379,10 +412,11 @@ class _MatmulKernel(PanelLoops):
         for buf, index in lines:
             prefetch(buf, index)
 
-    def _dot_start(self, row):
+    def _dot_start(self, row, signed_codes: bool = False):
         """The int32 start of a group's dot product: -zero * (the activation codes' sum), so
-        the sum of codes * activations comes out as that of (codes - zero) * activations."""
-        if not self.ops.zero:
+        the sum of codes * activations comes out as that of (codes - zero) * activations (0
+        where the kernel multiplies the signed codes themselves: AVX2's q8)."""
+        if not self.ops.zero or signed_codes:
             return tirx.const(0, "int32")
         return self.us[row] * tirx.const(-self.ops.zero, "int32")
 
@@ -403,59 +437,80 @@ class _MatmulKernel(PanelLoops):
             value = self.epilogue(value_of_lane(lane), lead, col + lane)
             T.buffer_store(self.out, value, [*lead, col + lane])
 
+    def _group_sums(self, f, acc, at, m0, mr: int, panel, g, h) -> None:
+        """f[at(r)[0]] += the group's integer sums acc[at(r)[1]] of half h of `panel` as
+        floats, for rows r < mr: times the weight and activation scales, plus the mins' term
+        (q4 with mins). AVX2's q4 sums are int16 pairs, widened first."""
+        lanes = self.lanes
+        col = (panel * self.groups + g) * PANEL + h * lanes
+        ws = self.sf[_ramp(col, lanes)].astype(f"float32x{lanes}")
+        wm = None if self.mf is None else self.mf[_ramp(col, lanes)].astype(f"float32x{lanes}")
+        for r in range(mr):
+            row = (m0 + r) * self.groups + g
+            da = self.ds[row]
+            fi, ai = at(r)
+            dot = acc[ai]
+            if acc.dtype == "int16":
+                dot = self._widen(dot) + _bcast(self._dot_start(row), lanes)
+            term = dot.astype(f"float32x{lanes}") * (ws * _bcast(da, lanes))
+            if wm is not None:
+                term = term + wm * _bcast(da * self.us[row].astype(F32), lanes)
+            T.buffer_store(f, f[fi] + term, [fi])
+
     # -- the micro-kernel: mr rows x npn panels
     def micro(self, m0, mr: int, p0, npn: int) -> None:
         lanes, halves = self.lanes, PANEL // self.lanes
         tiles = mr * npn * PANEL
+        # AVX2's q4 sums a group's products in int16 lanes, two per output (module doc)
+        sums16 = self.pairs and self.ops.kind == "q4"
+        width = 2 * lanes if sums16 else lanes  # accumulator lanes per 8- or 16-output half
         f = T.alloc_buffer((tiles,), F32)
-        acc = T.alloc_buffer((tiles,), "int32")
+        acc = T.alloc_buffer((tiles * width // lanes,), "int16" if sums16 else "int32")
         zero_f = _bcast(tirx.const(0, F32), lanes)
         for i in range(tiles // lanes):
             T.buffer_store(f, zero_f, [_ramp(_c(i * lanes), lanes)])
 
-        def idx(r, j, h):
-            return _ramp(_c(((r * npn + j) * PANEL) + h * lanes), lanes)
+        def idx(r, j, h):  # the float sums of rows r, panel j, half h
+            return _ramp(_c((r * npn + j) * PANEL + h * lanes), lanes)
 
-        with T.serial(_c(0), _c(self.groups)) as g:
-            if PREFETCH_TILES:
-                with T.If(m0 == _c(0)):
-                    with T.Then():
-                        for j in range(npn):
-                            self._prefetch_group(self.panel_ahead(p0, j), g)
-            for r in range(mr):
-                row = (m0 + r) * self.groups + g
-                init = _bcast(self._dot_start(row), lanes)
-                for j in range(npn):
-                    for h in range(halves):
-                        T.buffer_store(acc, init, [idx(r, j, h)])
-            for step in range(self.steps):
-                offsets = self._act_offsets(g, step)
-                for j in range(npn):
-                    for h in range(halves):
+        def at(r, j, h):  # their integer sums
+            return _ramp(_c(((r * npn + j) * PANEL + h * lanes) * width // lanes), width)
+
+        def step_dot(value, w, a):
+            if sums16:
+                return value + self._pair_dot(w, a)
+            if self.pairs:
+                return self._signed_q8_dot(value, w, a)
+            return self._dot(value, w, a)
+
+        # VNNI: one pass over the groups for all panels and halves of the tile. AVX2: one
+        # pass per half panel, so that its 4 rows' accumulators (integer and float) and the
+        # unpacked weights fit the 16 registers (all at once, LLVM spilled them to the stack)
+        parts = [(j, h) for j in range(npn) for h in range(halves)]
+        for n_pass, part in enumerate([[p] for p in parts] if self.pairs else [parts]):
+            with T.serial(_c(0), _c(self.groups)) as g:
+                if PREFETCH_TILES and n_pass == 0:
+                    with T.If(m0 == _c(0)):
+                        with T.Then():
+                            for j in range(npn):
+                                self._prefetch_group(self.panel_ahead(p0, j), g)
+                for r in range(mr):
+                    row = (m0 + r) * self.groups + g
+                    start = tirx.const(0, "int16") if sums16 else self._dot_start(row, self.pairs)
+                    for j, h in part:
+                        T.buffer_store(acc, _bcast(start, width), [at(r, j, h)])
+                for step in range(self.steps):
+                    offsets = self._act_offsets(g, step)
+                    for j, h in part:
                         weights = self._weight_vectors(p0 + j, g, step, h)
                         for r in range(mr):
-                            value = acc[idx(r, j, h)]
+                            value = acc[at(r, j, h)]
                             for w, off in zip(weights, offsets):
-                                value = self._dot(value, w, self._act(m0 + r, off))
-                            T.buffer_store(acc, value, [idx(r, j, h)])
-            for j in range(npn):
-                for h in range(halves):
-                    col = ((p0 + j) * self.groups + g) * PANEL + h * lanes
-                    ws = self.sf[_ramp(col, lanes)].astype(f"float32x{lanes}")
-                    wm = (
-                        None
-                        if self.mf is None
-                        else self.mf[_ramp(col, lanes)].astype(f"float32x{lanes}")
-                    )
-                    for r in range(mr):
-                        row = (m0 + r) * self.groups + g
-                        da = self.ds[row]
-                        term = acc[idx(r, j, h)].astype(f"float32x{lanes}") * (
-                            ws * _bcast(da, lanes)
-                        )
-                        if wm is not None:
-                            term = term + wm * _bcast(da * self.us[row].astype(F32), lanes)
-                        T.buffer_store(f, f[idx(r, j, h)] + term, [idx(r, j, h)])
+                                value = step_dot(value, w, self._act(m0 + r, off))
+                            T.buffer_store(acc, value, [at(r, j, h)])
+                for j, h in part:
+                    both = lambda r, j=j, h=h: (idx(r, j, h), at(r, j, h))  # noqa: E731
+                    self._group_sums(f, acc, both, m0, mr, p0 + j, g, h)
         for r in range(mr):
             for j in range(npn):
                 base = (r * npn + j) * PANEL
@@ -517,7 +572,7 @@ class _MatmulKernel(PanelLoops):
         return ib.get().body
 
 
-def _matmul_kernel(func: tirx.PrimFunc, name: str, vnni_bits: int) -> tirx.PrimFunc | None:
+def _matmul_kernel(func: tirx.PrimFunc, name: str, dot: str) -> tirx.PrimFunc | None:
     """`name`: "q4", "q4_sym" (no mins) or "q8"."""
     sch = s_tir.Schedule(func)
     (block,) = _annotated_blocks(sch)
@@ -529,26 +584,26 @@ def _matmul_kernel(func: tirx.PrimFunc, name: str, vnni_bits: int) -> tirx.PrimF
     if found is None:
         return None
     out, epilogue = found
-    body = _MatmulKernel(ops, out, epilogue, vnni_bits).build()
+    body = _MatmulKernel(ops, out, epilogue, dot).build()
     return _with_body(func, body)
 
 
-def schedule(func: tirx.PrimFunc, vnni_bits: int) -> tirx.PrimFunc | None:
-    """The VNNI kernel for an int8-activation op of quant/modules.py, or None for any other
-    function (or when the target has no VNNI: the TE body then runs as scheduled by the
-    generic rules)."""
+def schedule(func: tirx.PrimFunc, dot: str) -> tirx.PrimFunc | None:
+    """The kernel for an int8-activation op of quant/modules.py multiplying with `dot`
+    (compiler/target.py INT8_DOTS), or None for any other function (or when `dot` is "": the
+    TE body then runs as scheduled by the generic rules)."""
     sch = s_tir.Schedule(func)
     blocks = _annotated_blocks(sch)
     if len(blocks) != 1:
         return None
     kind = str(sch.get(blocks[0]).annotations[INT8_ATTR])
-    if not vnni_bits:
-        LOG.warning("int8 activations without VNNI: %s runs its reference TE body", kind)
+    if not dot:
+        LOG.warning("int8 activations without AVX2 or VNNI: %s runs its reference TE body", kind)
         return None
     if kind.startswith("quantize_"):
         result = _quantize_kernel(func, kind.removeprefix("quantize_"))
     else:
-        result = _matmul_kernel(func, kind.removeprefix("matmul_"), vnni_bits)
+        result = _matmul_kernel(func, kind.removeprefix("matmul_"), dot)
     if result is None:
         LOG.warning("int8 rule: unexpected %s function; it runs its reference TE body", kind)
     return result

@@ -134,7 +134,13 @@ class GemmTuning:
 
     l2_block_bytes: int = DEFAULT_L2_BYTES // 2  # W rows per parallel chunk stay within this
     long_k_ymm: bool = False  # 6 x 4 tiles of 8 lanes from K = GEMM_LONG_K (Zen 4)
-    stream_w: bool = False  # a float W's GEMV and small-M tiles shaped for Zen 4's prefetchers
+    stream_w: bool = False  # a float32 W's GEMV and small-M tiles shaped for Zen 4's prefetchers
+    stream_w16: bool = False  # the same for a 16-bit float W widened in the loads (AMD Zen)
+
+    def streams(self, w_bits: int) -> bool:
+        """Whether the GEMV and small-M tiles of a W streamed as stored with `w_bits` per
+        element (0: a packed W, never) are shaped for the prefetchers (GEMV_SINGLE_ROW_MAX_K)."""
+        return (w_bits == 32 and self.stream_w) or (w_bits == 16 and self.stream_w16)
 
     @classmethod
     def for_cpu(cls, l2_bytes: int | None, mcpu: str) -> GemmTuning:
@@ -142,7 +148,9 @@ class GemmTuning:
         (`znver4`) the ymm long-K tiles (a zmm FMA is two ymm halves there) and the GEMV and
         small-M tiles shaped for its prefetchers (GEMV_SINGLE_ROW_MAX_K)."""
         zen4 = mcpu == "znver4"
-        return cls((l2_bytes or DEFAULT_L2_BYTES) // 2, long_k_ymm=zen4, stream_w=zen4)
+        zen = mcpu.startswith("znver")
+        l2_half = (l2_bytes or DEFAULT_L2_BYTES) // 2
+        return cls(l2_half, long_k_ymm=zen4, stream_w=zen4, stream_w16=zen)
 
 
 @dataclass(frozen=True)
@@ -263,13 +271,14 @@ def tile_config(
     mr: int = 1,
     nb: int | None = None,
     tuning: GemmTuning = GemmTuning(),  # noqa: B008 - frozen, shared default
-    float_weight: bool = False,
+    streamed_bits: int = 0,
 ) -> TileConfig:
     """Tile sizes of a `kind` variant with `mr` rows per tile (GEMV, small M): MR x NR
     accumulators must fit the register file (32 zmm with AVX-512) and stay under 1 KiB (the
     stack, see GEMM_MR). `nb` imposes another variant's chunking (the small-M variants run in
-    the GEMV's parallel loop), NR then the largest that divides it. `float_weight`: W is read
-    as it is stored (no dequantize), which decides the GEMV's shape on Zen 4."""
+    the GEMV's parallel loop), NR then the largest that divides it. `streamed_bits`: W is read
+    as it is stored with so many bits per element (0: packed codes), which decides the GEMV's
+    shape on AMD Zen (`GemmTuning.streams`)."""
     max_lanes = max(vector_bits // info.acc_bits, 1)
     lanes = _largest_divisor(info.k, [c for c in (64, 32, 16, 8, 4, 2) if c <= max_lanes])
     if kind == "gemm":
@@ -293,7 +302,7 @@ def tile_config(
     # GEMV: no reuse across chunks, so prefer many small chunks for load balance.
     divisors = [d for d in range(1, tiles + 1) if tiles % d == 0 and tiles // d >= GEMV_MIN_CHUNKS]
     cfg = TileConfig(mr=mr, nr=nr, lanes=lanes, nb=nr * max(divisors, default=1), kind=kind)
-    if kind == "gemv" and float_weight and tuning.stream_w:  # see GEMV_SINGLE_ROW_MAX_K
+    if kind == "gemv" and tuning.streams(streamed_bits):  # see GEMV_SINGLE_ROW_MAX_K
         if info.k <= GEMV_SINGLE_ROW_MAX_K:
             return replace(cfg, nr=1)  # same chunks: the small-M variants share them
         return replace(cfg, prefetch_tiles=GEMV_PREFETCH_TILES)
@@ -372,8 +381,11 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
     # A dequantized W: the GEMV unpacks it inside its loads (inlined), the GEMM dequantizes
     # each chunk of W rows once (compute_at below).
     deq = _weight_producer(sch, block)
-    # A float W (no dequantize): the row variants prefetch its next column tile (below).
+    # A float W (no dequantize): the row variants prefetch its next column tile (below); a
+    # 16-bit float W widened in the loads: the stored tensor, where the config asks for it.
     float_w = sch.get(block).reads[1].source if deq is None else None
+    if deq is not None and cfg.prefetch_tiles:
+        float_w = _same_shape_source(sch, deq, info)
     quant_gemv = deq is not None and cfg.inline_weight
     _inline_producers(sch, block, keep=deq)
     sch.transform_block_layout(block, info.index_map)
@@ -459,6 +471,22 @@ def schedule_matmul(func: tirx.PrimFunc, info: MatmulInfo, cfg: TileConfig) -> t
         loops = [sch.get(loop).loop_var for loop in (no, nm, mo, ko)]
         func = func.with_body(_prefetch_next_tile(func.body, float_w, loops, cfg, info))
     return func
+
+
+def _same_shape_source(sch: s_tir.Schedule, deq, info: MatmulInfo) -> tirx.Buffer | None:
+    """The stored [N, K] tensor a dequantize block only widens (q0f16, q0bf16: one element
+    per weight), or None (packed codes, scales)."""
+    reads = sch.get(deq).reads
+    if len(reads) != 1:
+        return None
+    source = reads[0].source
+    if [_static_dim(d) for d in source.shape] != [info.n, info.k] or source.dtype.bits != 16:
+        return None
+    return source
+
+
+def _static_dim(dim) -> int | None:
+    return int(dim.value) if isinstance(dim, tirx.IntImm) else None
 
 
 def _prefetch_next_tile(
@@ -600,13 +628,13 @@ def _chain(variants: list) -> tirx.Stmt:
 
 
 def _small_m_config(
-    info: MatmulInfo, vector_bits: int, mr: int, nb: int | None, tuning: GemmTuning, float_w: bool
+    info: MatmulInfo, vector_bits: int, mr: int, nb: int | None, tuning: GemmTuning, w_bits: int
 ) -> TileConfig:
     """A small-M variant: one row tile of `mr` rows. On Zen 4 a float W's next column tile is
     prefetched whole (all NR rows) during this one (ROWS_PREFETCH_TILES); the batch variant's
     row tiles share that prefetch out instead, one W row each."""
     cfg = tile_config(info, vector_bits, "rows", mr, nb=nb)
-    if float_w and tuning.stream_w:
+    if tuning.streams(w_bits):
         cfg = replace(cfg, prefetch_tiles=ROWS_PREFETCH_TILES)
     return cfg
 
@@ -623,7 +651,11 @@ def schedule(
     # The batch variant re-reads W once per row tile: fine from L1 for a float W, but a
     # quantized one would be unpacked again each time; the GEMM dequantizes it once.
     sch = s_tir.Schedule(func)
-    batch = _weight_producer(sch, _main_block(sch)) is None
+    deq = _weight_producer(sch, _main_block(sch))
+    batch = deq is None
+    # Bits per element of a W streamed as stored: float32, or 16-bit floats only widened in
+    # the loads (q0f16, q0bf16); 0 for packed codes
+    streamed = info.w_bits if batch else 16 if _same_shape_source(sch, deq, info) is not None else 0
     gemm_rows = BATCH_MAX_ROWS if batch else GEMM_MIN_ROWS
     if isinstance(info.rows, tirx.IntImm):
         m = info.rows.value
@@ -632,15 +664,15 @@ def schedule(
         elif m >= GEMM_MIN_ROWS:
             cfg = tile_config(info, vector_bits, "rows", BATCH_MR)
         elif m == 1:
-            cfg = tile_config(info, vector_bits, "gemv", tuning=tuning, float_weight=batch)
+            cfg = tile_config(info, vector_bits, "gemv", tuning=tuning, streamed_bits=streamed)
         else:
             mr = next(r for r in ROWS_VARIANTS if r >= m)
-            cfg = _small_m_config(info, vector_bits, mr, None, tuning, batch)
+            cfg = _small_m_config(info, vector_bits, mr, None, tuning, streamed)
         return schedule_matmul(func, info, cfg)
-    gemv = tile_config(info, vector_bits, "gemv", tuning=tuning, float_weight=batch)
+    gemv = tile_config(info, vector_bits, "gemv", tuning=tuning, streamed_bits=streamed)
     small = [(2, schedule_matmul(func, info, gemv))]
     for mr in ROWS_VARIANTS:
-        cfg = _small_m_config(info, vector_bits, mr, gemv.nb, tuning, batch)
+        cfg = _small_m_config(info, vector_bits, mr, gemv.nb, tuning, streamed)
         small.append((mr + 1, schedule_matmul(func, info, cfg)))
     if batch:
         cfg = tile_config(info, vector_bits, "rows", BATCH_MR, nb=gemv.nb)
