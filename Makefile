@@ -8,6 +8,10 @@ RUFF := $(VENV)/bin/ruff
 STAMP := $(VENV)/.installed
 LINT_PATHS := mlcrun tests benchmarks
 PYTEST_ARGS ?=
+# Test files run in parallel, one worker per core up to 4 (a file stays on one worker, so its
+# session-scoped compiles are shared; each worker holds torch and TVM, ~2-4 GB): compiling is
+# single-threaded, and on a 2-core CI machine the suite takes about twice as long in one process.
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: install test lint format demo clean distclean
 
@@ -26,7 +30,7 @@ $(STAMP): pyproject.toml
 
 # pytest exits 5 when it collected no tests: report that as its own failure.
 test: install
-	@set +e; $(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	@set +e; $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
 

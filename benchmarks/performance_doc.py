@@ -10,7 +10,8 @@ when that file exists, the "Replicas under Ray Serve" section from
 benchmarks/results/serve_replicas.json (benchmarks/serve_replicas.py) when that file exists.
 The "Speculative decoding" section comes from
 benchmarks/results/speculative.json (`.venv/bin/python benchmarks/speculative.py`) when that
-file exists.
+file exists, the "A second machine" section from benchmarks/results/compare_avx2.json (a
+compare.py run on another machine class) when that file exists.
 
 Everything on the page comes from those files; the only hand-written parts are the
 explanations of known gaps below (`GAPS`, `SPEC_GAPS`), printed when the measured ratio says
@@ -31,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "performance.md"
+OTHER_MACHINE = RESULTS / "compare_avx2.json"  # compare.py on a second machine class
 
 COLUMNS = [  # (metric key, column title, format)
     ("decode_tps", "decode tok/s", "{:.1f}"),
@@ -210,8 +212,9 @@ def _quantized_decode(f: Facts, fmts: list[str]) -> str:
     )
     return (
         f"Both engines multiply {fmt} weights with int8-quantized activations (mlcrun: "
-        f"`--activations {f.activations(fmt)}`, VNNI dot products over weights repacked at "
-        f"compile time into 16-row panels).{repack} " + f.bandwidth(fmt)
+        f"`--activations {f.activations(fmt)}`, integer dot products (VNNI, or AVX2's "
+        f"vpmaddubsw without it) over weights repacked at compile time into 16-row panels)."
+        f"{repack} " + f.bandwidth(fmt)
     )
 
 
@@ -227,11 +230,12 @@ GAPS = {
         + _each(fmts, lambda fmt: f.beyond_bound(fmt, 1.0))
     ),
     ("*", "prefill_tps"): lambda f, fmts: (
-        "Prefill is matmuls plus attention. mlcrun's matmuls: int8 VNNI GEMMs for quantized "
-        "weights, bf16 `vdpbf16ps` GEMMs for BF16 where the CPU has AVX512-BF16, and for F32 "
-        "a register-tiled fp32 GEMM (3 rows x 4 columns of 16-lane accumulators: TVM keeps "
-        "only buffers under 1 KiB on the stack); attention runs tiles of 16 query rows over "
-        "the same keys. " + _each(fmts, f.flops)
+        "Prefill is matmuls plus attention. mlcrun's matmuls: int8 GEMMs (VNNI, or AVX2's "
+        "vpmaddubsw) for quantized weights, bf16 `vdpbf16ps` GEMMs for BF16 where the CPU has "
+        "AVX512-BF16 (else the fp32 GEMM over widened weights), and for F32 a register-tiled "
+        "fp32 GEMM (3 rows x 4 columns of vector accumulators: TVM keeps only buffers under 1 "
+        "KiB on the stack); attention runs tiles of 16 query rows over the same keys. "
+        + _each(fmts, f.flops)
     ),
     ("*", "tput_tps"): lambda f, fmts: (
         "Batched decode runs the matmuls with only a few rows (M = the batch). "
@@ -1298,12 +1302,59 @@ def changed_since(created: str) -> list[str]:
     ]
 
 
+def other_machine_section(doc: dict | None) -> list[str]:
+    """A compare.py run on a second machine class (e.g. an AVX2-only CPU, where the kernels
+    take other instructions): its tables, gaps, targets and K-step costs, under one heading.
+    (Only ratios from one run mean anything; this run is compared with nothing else.)"""
+    if doc is None:
+        return []
+    m = doc["machine"]
+    models = ", ".join(doc["models"])
+    lines = [
+        f"## A second machine: {m['cpu']}, llama.cpp built with {llama_features(doc)}",
+        "",
+        f"*From `benchmarks/results/{OTHER_MACHINE.name}`, written by this run:* "
+        f"`{doc['command']}` on {doc['created']} ({doc['elapsed_s'] / 60:.0f} minutes; "
+        f"models: {models}).",
+        "",
+        *changed_since(doc["created"]),
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['platform']}; "
+        f"**{doc['threads']} threads for every engine**, {rounds_text(doc)}, each engine in a "
+        f"fresh process. llama.cpp's system info: `{_system_info(doc)}`.",
+        "",
+        bandwidth_text(doc),
+        "",
+    ]
+    body = []
+    for name, model in doc["models"].items():
+        body += model_section(name, model, doc)
+    body += [
+        "## Where mlcrun is behind llama.cpp on this machine, and why",
+        "",
+        *(behind(doc) or ["Nowhere in this run."]),
+        "",
+        *targets_section(doc),
+        *kstep_section(doc),
+    ]
+    return lines + [("#" + line) if line.startswith("##") else line for line in body]
+
+
+def _system_info(doc: dict) -> str:
+    for model in doc["models"].values():
+        for r in model["results"]:
+            info = (r.get("settings") or {}).get("system_info")
+            if r["engine"] == "llama.cpp" and info:
+                return info.strip().strip("|").strip()
+    return "not recorded"
+
+
 def render(
     doc: dict,
     kernel: dict | None,
     spec: dict | None = None,
     gemma: dict | None = None,
     replicas: dict | None = None,
+    other: dict | None = None,
 ) -> str:
     m = doc["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
@@ -1349,6 +1400,7 @@ def render(
     lines.append("")
     lines += targets_section(doc)
     lines += kstep_section(doc)
+    lines += other_machine_section(other)
     lines += profile_section(kernel, doc)
     lines += kernel_section(kernel)
     lines += spec_section(spec)
@@ -1365,6 +1417,7 @@ def main() -> None:
     parser.add_argument("--speculative", type=Path, default=RESULTS / "speculative.json")
     parser.add_argument("--gemma3", type=Path, default=RESULTS / "gemma3.json")
     parser.add_argument("--replicas", type=Path, default=RESULTS / "serve_replicas.json")
+    parser.add_argument("--other-machine", type=Path, default=OTHER_MACHINE)
     parser.add_argument("--out", type=Path, default=DOC, help="the page (the plot goes beside)")
     args = parser.parse_args()
     doc = json.loads(args.compare.read_text())
@@ -1372,7 +1425,8 @@ def main() -> None:
     spec = json.loads(args.speculative.read_text()) if args.speculative.exists() else None
     gemma = json.loads(args.gemma3.read_text()) if args.gemma3.exists() else None
     replicas = json.loads(args.replicas.read_text()) if args.replicas.exists() else None
-    args.out.write_text(render(doc, kernel, spec, gemma, replicas))
+    other = json.loads(args.other_machine.read_text()) if args.other_machine.exists() else None
+    args.out.write_text(render(doc, kernel, spec, gemma, replicas, other))
     plot(doc, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
