@@ -23,7 +23,9 @@ from rich.progress import (
 
 from ..errors import MlcrunError
 
-err_console = Console(stderr=True)
+# soft_wrap: a message is one line however long its paths are (scripts grep it); the
+# terminal wraps it, not rich at 80 columns when stderr is a pipe.
+err_console = Console(stderr=True, soft_wrap=True)
 
 # MODEL of chat, serve and bench: anything resolve_artifact accepts, or nothing.
 MODEL_ARGUMENT = typer.Argument(

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+import time
 
 import pexpect
 import pytest
@@ -169,7 +170,12 @@ def _stream_and_interrupt(child, long_context_artifact, tmp_path):
     assert int(child.match.group(1)) > prompt_tokens  # the conversation goes on
     assert 1 <= int(child.match.group(2)) <= 16
     child.expect_exact(PROMPT)
-    child.sendintr()  # Ctrl-C at an empty prompt just gives a new prompt
+    # Ctrl-C at an empty prompt just gives a new prompt. A person presses it after the prompt
+    # shows; one sent the instant "> " appears can land before input() reaches readline's
+    # select() (CPython checks for signals only when that select is interrupted), and is then
+    # handled at the next key. Wait as a person would.
+    time.sleep(1)
+    child.sendintr()
     child.expect_exact(PROMPT)
     child.sendeof()
     child.expect(pexpect.EOF)
