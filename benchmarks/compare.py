@@ -903,7 +903,21 @@ def folder_bytes(folder: Path) -> int:
 
 
 # ------------------------------------------------------------------ report
+SIMD_FLAGS = {
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+}
+
+
 def machine() -> dict:
+    from mlcrun.cpu_features import host_flags
+
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -924,7 +938,17 @@ def machine() -> dict:
         "memory_gib": round(mem_kib / 2**20, 1),
         "platform": platform.platform(),
         "python": platform.python_version(),
+        # The vector ISAs the engines can pick from (llama.cpp's build and mlcrun's target
+        # are fixed; torch's oneDNN chooses at run time, AMX included where the CPU has it).
+        "simd_flags": sorted(host_flags() & SIMD_FLAGS),
+        "llc": _llc_size(),
     }
+
+
+def _llc_size() -> str | None:
+    """The last-level cache as Linux reports it (e.g. "32768K"; a VM may report its host's)."""
+    caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"))
+    return caches[-1].read_text().strip() if caches else None
 
 
 def versions() -> dict:
