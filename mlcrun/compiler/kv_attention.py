@@ -1329,11 +1329,14 @@ def merge_state(num_qo_heads: int, head_dim: int, dtype: str):
                     # weights of the two parts, relative to the larger lse (exact for -5e4)
                     w[0] = T.exp2(S[n, h] - T.max(S[n, h], S_other[n, h]))
                     w[1] = T.exp2(S_other[n, h] - T.max(S[n, h], S_other[n, h]))
+                    # A part of weight 0 is left out, not multiplied by 0: a part in which a
+                    # row saw no key (TVM's windowed kernels, lse -5e4 below the other) may
+                    # hold inf or NaN, and 0 * NaN is NaN.
                     for d in T.vectorized(D):
                         V[n, h, d] = (
                             (
-                                V[n, h, d].astype("float32") * w[0]
-                                + V_other[n, h, d].astype("float32") * w[1]
+                                T.Select(w[0] > 0, V[n, h, d].astype("float32") * w[0], 0.0)
+                                + T.Select(w[1] > 0, V_other[n, h, d].astype("float32") * w[1], 0.0)
                             )
                             / (w[0] + w[1])
                         ).astype(dtype)

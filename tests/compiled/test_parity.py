@@ -5,6 +5,7 @@ import pytest
 from checkpoints import ARCHS, load_reference, reference_logits
 
 from mlcrun import LLM, SamplingParams
+from mlcrun.errors import MlcrunError
 from mlcrun.runtime import Model
 
 TOL = 1e-4
@@ -98,10 +99,10 @@ def fp16_kv_artifacts(tmp_path_factory, checkpoints):
     root = tmp_path_factory.mktemp("fp16-kv")
     cache = {}
 
-    def get(name):
-        if name not in cache:
+    def get(name, out=None):
+        if out is not None or name not in cache:
             options = CompileOptions(prefill_chunk=64, max_batch=8, kv_dtype="float16")
-            cache[name] = compile_model(str(checkpoints(name)), root / name, options)
+            cache[name] = compile_model(str(checkpoints(name)), out or root / name, options)
         return cache[name]
 
     return get
@@ -111,7 +112,15 @@ def fp16_kv_artifacts(tmp_path_factory, checkpoints):
 def test_fp16_kv_cache(name, checkpoints, fp16_kv_artifacts):
     """Ragged prefill of two sequences, 16 batched decode steps, a third prompt prefilled in
     chunks over its cached pages, and (without a sliding window) a token tree verified over
-    the cache: every logit against transformers within FP16_KV_TOL."""
+    the cache: every logit against transformers within FP16_KV_TOL. Models with
+    sliding_attention layers (gemma3) refuse float16 pages at compile time, with nothing
+    written: TVM's windowed kernel gave NaN logits over them."""
+    if ARCHS[name][2].get("layer_types"):
+        out = checkpoints(name).parent / f"{name}-fp16-refused"
+        with pytest.raises(MlcrunError, match="--kv-dtype float16 is not supported yet"):
+            fp16_kv_artifacts(name, out)
+        assert not out.exists()
+        return
     ref = load_reference(checkpoints(name))
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 320, size=n).tolist() for n in (13, 21)]
