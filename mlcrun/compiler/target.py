@@ -1,8 +1,11 @@
 """Compilation targets: the host CPU (features read from /proc/cpuinfo) and CUDA.
 
-Why not `-mcpu=native` / LLVM's host feature detection: this VM's CPU advertises AMX
-(amx_tile/amx_int8/amx_bf16) but executing AMX instructions raises SIGILL, so every SIMD
-feature is set explicitly from the kernel's flag list and AMX is always switched off.
+Why not `-mcpu=native` / LLVM's host feature detection: Intel CPUs since Sapphire Rapids
+advertise AMX (amx_tile/amx_int8/amx_bf16), but Linux lets a process execute AMX instructions
+only after it asks for the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)`); without
+that request the first one raises SIGILL, and where a hypervisor does not pass the state
+through, the request fails. mlcrun has no AMX kernels, so every SIMD feature is set explicitly
+from the kernel's flag list and AMX is always switched off.
 """
 
 from __future__ import annotations
