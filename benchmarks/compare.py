@@ -903,20 +903,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 # ------------------------------------------------------------------ report
-SIMD_FLAGS = {
-    "avx2",
-    "avx512f",
-    "avx512_vnni",
-    "avx_vnni",
-    "avx512_bf16",
-    "amx_tile",
-    "amx_int8",
-    "amx_bf16",
-}
-
-
 def machine() -> dict:
-    from mlcrun.cpu_features import host_flags
+    from mlcrun.cpu_features import X86_FEATURES, host_flags
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -938,9 +926,11 @@ def machine() -> dict:
         "memory_gib": round(mem_kib / 2**20, 1),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        # The vector ISAs the engines can pick from (llama.cpp's build and mlcrun's target
-        # are fixed; torch's oneDNN chooses at run time, AMX included where the CPU has it).
-        "simd_flags": sorted(host_flags() & SIMD_FLAGS),
+        # The vector ISAs the engines can pick from: mlcrun's target and llama.cpp's build are
+        # fixed, torch's oneDNN chooses at run time, AMX (which mlcrun never emits) included.
+        "simd_flags": sorted(
+            host_flags() & {*X86_FEATURES.values(), "amx_tile", "amx_int8", "amx_bf16"}
+        ),
         "llc": _llc_size(),
     }
 

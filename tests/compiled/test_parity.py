@@ -5,6 +5,8 @@ import pytest
 from checkpoints import ARCHS, load_reference, reference_logits
 
 from mlcrun import LLM, SamplingParams
+from mlcrun.compiler.build import compile_model
+from mlcrun.compiler.options import CompileOptions
 from mlcrun.errors import MlcrunError
 from mlcrun.runtime import Model
 
@@ -93,16 +95,13 @@ FP16_KV_TOL = 1e-2
 
 @pytest.fixture(scope="module")
 def fp16_kv_artifacts(tmp_path_factory, checkpoints):
-    from mlcrun.compiler.build import compile_model
-    from mlcrun.compiler.options import CompileOptions
-
     root = tmp_path_factory.mktemp("fp16-kv")
     cache = {}
 
-    def get(name, out=None):
-        if out is not None or name not in cache:
+    def get(name):
+        if name not in cache:
             options = CompileOptions(prefill_chunk=64, max_batch=8, kv_dtype="float16")
-            cache[name] = compile_model(str(checkpoints(name)), out or root / name, options)
+            cache[name] = compile_model(str(checkpoints(name)), root / name, options)
         return cache[name]
 
     return get
@@ -118,7 +117,7 @@ def test_fp16_kv_cache(name, checkpoints, fp16_kv_artifacts):
     if ARCHS[name][2].get("layer_types"):
         out = checkpoints(name).parent / f"{name}-fp16-refused"
         with pytest.raises(MlcrunError, match="--kv-dtype float16 is not supported yet"):
-            fp16_kv_artifacts(name, out)
+            compile_model(str(checkpoints(name)), out, CompileOptions(kv_dtype="float16"))
         assert not out.exists()
         return
     ref = load_reference(checkpoints(name))
@@ -181,7 +180,6 @@ def test_fp16_kv_library_is_checked_at_load(fp16_kv_artifacts, tmp_path):
     import shutil
 
     from mlcrun import artifact
-    from mlcrun.errors import MlcrunError
 
     folder = tmp_path / "art"
     shutil.copytree(fp16_kv_artifacts("llama"), folder)
