@@ -60,14 +60,6 @@ def compile_model(
             return out
         if not force:
             raise MlcrunError(f"{out} already exists; pass --force to overwrite it")
-    if options.kv_dtype == "float16" and cfg.local_window:
-        # TVM's windowed paged-prefill kernel (kept for sliding_attention layers) starts a
-        # row's running max uninitialized when its first key is outside the window: with
-        # float16 pages that produced NaN logits. Float32 pages pass the parity tests.
-        raise MlcrunError(
-            "--kv-dtype float16 is not supported yet for models with sliding_attention layers "
-            "(e.g. Gemma 3); use the default float32"
-        )
     context_window = _context_window(cfg, options)
     target = resolve_target(options.device)
     source = checkpoint.open_source()

@@ -20,9 +20,13 @@ The cache's dtype (`kv_dtype`, a compile option) is the dtype of its pages and o
 output rows it exchanges with the model (TVM checks that they match); all our kernels load it
 and compute in float32.
 
-Models with a sliding window keep TVM's attention kernels: their cache applies RoPE inside
-attention ("inline" mode, rotary_mode 1), which ours refuse (a runtime assert), not emulate.
-Head dims that are not a multiple of 16 keep them too. Parity with transformers:
+Gemma 3's sliding_attention layers get ours too: the cache calls separate `_sliding_window`
+decode and paged-prefill kernels for them (a [3, B] length_info with each sequence's window
+offset, and a causal chunk's rows masked to their window), and TVM's scalar ones start a
+row's running max uninitialized when its first key is masked (NaN logits over float16 pages).
+Models with a Mistral-style sliding window keep TVM's attention kernels: their cache applies
+RoPE inside attention ("inline" mode, rotary_mode 1), which ours refuse (a runtime assert),
+not emulate. Head dims that are not a multiple of 16 keep them too. Parity with transformers:
 tests/compiled/test_parity.py; each kernel against numpy: tests/compiled/test_kv_kernels.py.
 """
 
@@ -42,6 +46,11 @@ PREFILL_PAGED_NAME = "batch_prefill_paged_kv_cpu"
 TREE_RAGGED_NAME = "batch_tree_attn"  # workarounds.RAGGED_TREE
 TREE_PAGED_NAME = "tree_attn_paged_kv_cpu"  # workarounds.PAGED_TREE
 MERGE_NAME = "merge_state_inplace_cpu"
+WINDOW_SUFFIX = "_sliding_window"  # the kernels of sliding_attention layers (Gemma 3)
+WINDOWED = {
+    DECODE_NAME + WINDOW_SUFFIX: kv_attention.decode_attention,
+    PREFILL_PAGED_NAME + WINDOW_SUFFIX: kv_attention.prefill_paged_attention,
+}
 ATTENTION = {
     DECODE_NAME: kv_attention.decode_attention,
     PREFILL_RAGGED_NAME: kv_attention.prefill_ragged_attention,
@@ -167,6 +176,15 @@ def replace_kv_kernels(mod: tvm.IRModule, cfg, kv_dtype: str = "float32") -> tvm
             kernels[name] = factory(
                 cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, kv_dtype
             )
+        if cfg.local_window:  # the window models/common.py gives the cache
+            for name, factory in WINDOWED.items():
+                kernels[name] = factory(
+                    cfg.num_key_value_heads,
+                    cfg.num_attention_heads,
+                    cfg.head_dim,
+                    kv_dtype,
+                    window=cfg.local_window,
+                )
     found = {gv.name_hint: gv for gv in mod.get_global_vars()}
     missing = [name for name in kernels if name not in found]
     if missing:  # a TVM upgrade renamed them: fail loudly rather than run the slow ones

@@ -25,11 +25,11 @@ TOL = {"float32": 2e-5, "float16": 2e-3}  # float16: the output row is rounded t
 _built: dict = {}
 
 
-def _build(factory, shape, dtype):
-    key = (factory.__name__, shape, dtype)
+def _build(factory, shape, dtype, **kwargs):
+    key = (factory.__name__, shape, dtype, *sorted(kwargs.items()))
     if key not in _built:
         h_qo, h_kv, d = shape
-        func = factory(h_kv, h_qo, d, dtype).with_attr("global_symbol", "main")
+        func = factory(h_kv, h_qo, d, dtype, **kwargs).with_attr("global_symbol", "main")
         _built[key] = tvm.compile(tvm.IRModule({"main": func}), target=cpu_target())["main"]
     return _built[key]
 
@@ -122,8 +122,17 @@ def _check(out, lse, want, dtype, rows=None):
     np.testing.assert_allclose(lse[rows], want[1][rows], atol=TOL[dtype] * 10, rtol=0)
 
 
-def _check_decode(shape, dtype, kv_lens):
-    """Decode attention (one query row per sequence) over sequences of kv_lens keys."""
+def _length_info(last, offsets):
+    """TVM's length_info: last-page lengths, or (a window's offsets given) [3, B] with the
+    offsets and attention-sink lengths of 0."""
+    if offsets is None:
+        return last
+    return np.stack([last, np.array(offsets, np.int32), np.zeros_like(last)])
+
+
+def _check_decode(shape, dtype, kv_lens, offsets=None):
+    """Decode attention (one query row per sequence) over sequences of kv_lens keys; with
+    offsets, the windowed kernel over keys offsets[b] .. kv_lens[b]-1."""
     h_qo, h_kv, d = shape
     pool, values, indptr, last, keys, vals = _pages(kv_lens, h_kv, d, dtype)
     q = RNG.standard_normal((len(kv_lens), h_qo, d)).astype(dtype)
@@ -131,12 +140,15 @@ def _check_decode(shape, dtype, kv_lens):
     lse = _t(np.zeros(q.shape[:2], np.float32))
     zeros = _t(np.zeros(len(kv_lens), np.int32))
     scale = d**-0.5
-    f = _build(A.decode_attention, shape, dtype)
-    f(_t(q), _t(pool), _t(indptr), _t(values), _t(last), zeros, zeros, out, lse, 0, 1.0, 1e4, scale)
+    window = {} if offsets is None else {"window": 24}  # unused by decode: offsets say it all
+    f = _build(A.decode_attention, shape, dtype, **window)
+    info = _t(_length_info(last, offsets))
+    f(_t(q), _t(pool), _t(indptr), _t(values), info, zeros, zeros, out, lse, 0, 1.0, 1e4, scale)
     want_out, want_lse = np.zeros(q.shape), np.zeros(q.shape[:2])
     for b, n in enumerate(kv_lens):
+        visible = np.arange(n)[None, :] >= (0 if offsets is None else offsets[b])
         want_out[b : b + 1], want_lse[b : b + 1] = _ref(
-            q[b : b + 1], keys[b], vals[b], np.ones((1, n), bool), scale
+            q[b : b + 1], keys[b], vals[b], visible, scale
         )
     _check(out, lse, (want_out, want_lse), dtype)
 
@@ -222,9 +234,11 @@ def test_prefill_ragged(shape, dtype, causal):
     _check(out, lse, (want_out, want_lse), dtype)
 
 
-def _check_prefill_paged(shape, dtype, causal, kv_lens, q_lens):
+def _check_prefill_paged(shape, dtype, causal, kv_lens, q_lens, window=None, offsets=None):
     """Paged prefill: q_lens new rows per sequence over its kv_lens cached keys (causal: the
-    rows are the sequence's last keys)."""
+    rows are the sequence's last keys). With a window: the windowed kernel over keys
+    offsets[b] .. kv_lens[b]-1, where (causal) row i of a chunk sees the last window - i - 1
+    of them (TVM's mask for a sliding_attention layer's cached keys)."""
     h_qo, h_kv, d = shape
     pool, values, indptr, last, keys, vals = _pages(kv_lens, h_kv, d, dtype)
     n = sum(q_lens)
@@ -233,7 +247,7 @@ def _check_prefill_paged(shape, dtype, causal, kv_lens, q_lens):
     out = _t(np.zeros(q.shape, dtype))
     lse = _t(np.zeros(q.shape[:2], np.float32))
     scale = d**-0.5
-    f = _build(A.prefill_paged_attention, shape, dtype)
+    f = _build(A.prefill_paged_attention, shape, dtype, **({"window": window} if window else {}))
     zeros = _t(np.zeros(len(kv_lens), np.int32))
     f(
         _t(q),
@@ -241,7 +255,7 @@ def _check_prefill_paged(shape, dtype, causal, kv_lens, q_lens):
         _t(pool),
         _t(indptr),
         _t(values),
-        _t(last),
+        _t(_length_info(last, offsets if window else None)),
         zeros,
         _t(np.zeros(n, np.int32)),
         out,
@@ -256,7 +270,13 @@ def _check_prefill_paged(shape, dtype, causal, kv_lens, q_lens):
     for b, (m, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
         rows = slice(q_indptr[b], q_indptr[b + 1])
         visible = np.ones((m, kv), bool)
-        if causal:
+        if window:
+            slot = np.arange(kv)[None, :]
+            visible = np.broadcast_to(slot >= offsets[b], (m, kv))
+            if causal:
+                past = np.maximum(window - np.arange(m) - 1, 0)[:, None]
+                visible = visible & (slot - offsets[b] >= kv - offsets[b] - past)
+        elif causal:
             visible = np.arange(kv)[None, :] <= (kv - m + np.arange(m))[:, None]
         want_out[rows], want_lse[rows] = _ref(q[rows], keys[b], vals[b], visible, scale)
     _check(out, lse, (want_out, want_lse), dtype)
@@ -300,6 +320,78 @@ def test_prefill_paged_lens(shape, dtype, causal, lens):
     if causal:  # the rows are the last keys: at least as many keys as rows
         kv_lens = [max(kv, q) for kv, q in zip(kv_lens, q_lens, strict=True)]
     _check_prefill_paged(shape, dtype, causal, kv_lens, q_lens)
+
+
+# A sliding_attention layer's kernels: keys from a window offset into the sequence's pages (on
+# a page boundary, inside a page, at the end: no key), small batches split into page chunks.
+WINDOW_DECODE = {
+    "inside a page": ([37], [5]),
+    "page boundary": ([100], [32]),
+    "no key": ([20], [20]),
+    "split": ([2049], [1500]),
+    "mixed": ([2049, 3, 0, 300, 64, 65], [2049 - 512, 0, 0, 299, 60, 1]),
+    "many": ([700, *range(1, 2 * A.SPLIT_TASKS, 2)], [189] + [0] * A.SPLIT_TASKS),
+}
+
+
+@pytest.mark.parametrize("lens", WINDOW_DECODE.values(), ids=WINDOW_DECODE.keys())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 2, 16), (9, 3, 64), (4, 1, 32)], ids=["G2", "G3", "G4"])
+def test_decode_window(shape, dtype, lens):
+    _check_decode(shape, dtype, *lens)
+
+
+# (window, kv_lens, q_lens, offsets): short rows (decode structure, split) and tiles; windows
+# shorter and longer than the cache, offsets as the cache sets them and odd ones.
+WINDOW_PAGED = {
+    "short rows": (20, [256, 33, 5], [2, 4, 1], [256 - 19, 33 - 19, 0]),
+    "verify": (24, [511, 40], [5, 5], [0, 17]),
+    "tiles": (20, [256, 33, 0], [17, 9, 3], [256 - 19, 14, 0]),
+    "long window": (512, [700, 300], [40, 2], [700 - 511, 0]),
+    "split": (300, [2049], [3], [2049 - 299]),
+    "many": (
+        40,
+        [700, *range(1, 2 * A.SPLIT_TASKS, 2)],
+        [2] * (A.SPLIT_TASKS + 1),
+        [600] + [0] * A.SPLIT_TASKS,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", WINDOW_PAGED.values(), ids=WINDOW_PAGED.keys())
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 2, 16), (9, 3, 64), (4, 1, 32)], ids=["G2", "G3", "G4"])
+def test_prefill_paged_window(shape, dtype, causal, case):
+    window, kv_lens, q_lens, offsets = case
+    _check_prefill_paged(shape, dtype, causal, kv_lens, q_lens, window, offsets)
+
+
+def test_window_kernels_refuse_an_attention_sink():
+    """mlcrun never gives a sequence an attention sink; a kernel asked for one stops."""
+    shape, dtype = (4, 2, 16), "float32"
+    pool, values, indptr, last, _, _ = _pages([40], 2, 16, dtype)
+    info = np.stack([last, np.array([8], np.int32), np.array([4], np.int32)])
+    q = RNG.standard_normal((1, 4, 16)).astype(dtype)
+    zeros = _t(np.zeros(1, np.int32))
+    f = _build(A.decode_attention, shape, dtype, window=24)
+    out, lse = _t(np.zeros(q.shape, dtype)), _t(np.zeros((1, 4), np.float32))
+    with pytest.raises(Exception, match="attention sink"):
+        f(
+            _t(q),
+            _t(pool),
+            _t(indptr),
+            _t(values),
+            _t(info),
+            zeros,
+            zeros,
+            out,
+            lse,
+            0,
+            1.0,
+            1e4,
+            1.0,
+        )
 
 
 TREES = [
