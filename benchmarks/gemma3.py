@@ -7,7 +7,9 @@ mlcrun compiles the file with `-q auto` (q8f32: the file mixes Q5_0, Q8_0, Q4_K 
 tensors, and auto stores them all in q8f32; docs/architecture.md "Quantized weights") and its
 default activations; llama.cpp reads the file as it is. Each round runs each engine in a fresh
 process, in a random order: decode tokens/s at batch 1 (64 tokens after a 16-token prompt,
-EOS ignored) and prefill tokens/s of a 256-token prompt (under the 512-token window). Writes
+EOS ignored) and prefill tokens/s of a 256-token prompt (under the 512-token window), then the
+same past the window: a 256-token chunk and 32 decoded tokens after a 2048-token context, where
+the 15 sliding-window layers attend to their last 512 keys and the 3 full ones to all. Writes
 benchmarks/results/gemma3.json (the "Gemma 3 270M" section of docs/performance.md).
 """
 
@@ -28,10 +30,12 @@ ROOT = Path(__file__).resolve().parent
 CACHE = ROOT / ".cache" / "gemma3"
 RESULTS = ROOT / "results" / "gemma3.json"
 DECODE, PREFILL, PROMPT = 64, 256, 16
+DEPTH, DEEP_DECODE = 2048, 32  # the context of the deep case, and its decoded tokens
+KEYS = ("decode_tps", "prefill_tps", "deep_prefill_tps", "deep_decode_tps")
 
 
-def _ids(n: int) -> list[int]:
-    rng = random.Random(0)
+def _ids(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
     return [2] + [rng.randrange(1000, 200000) for _ in range(n - 1)]
 
 
@@ -53,6 +57,20 @@ def worker_mlcrun(target: str, threads: int) -> dict:
         logits = model.batch_decode(model.token_embed([token]), [1])
         token = int(logits[0].argmax())
     out["decode_tps"] = DECODE / (time.perf_counter() - start)
+    for seq in (0, 1):
+        model.remove_sequence(seq)
+    model.add_new_sequence(2)
+    model.batch_prefill(model.token_embed(_ids(DEPTH)), [2], [DEPTH])
+    ids = _ids(PREFILL, seed=1)[1:] + [5]
+    start = time.perf_counter()
+    logits = model.batch_prefill(model.token_embed(ids), [2], [len(ids)])
+    out["deep_prefill_tps"] = len(ids) / (time.perf_counter() - start)
+    token = int(logits[0].argmax())
+    start = time.perf_counter()
+    for _ in range(DEEP_DECODE):
+        logits = model.batch_decode(model.token_embed([token]), [2])
+        token = int(logits[0].argmax())
+    out["deep_decode_tps"] = DEEP_DECODE / (time.perf_counter() - start)
     return out
 
 
@@ -60,7 +78,7 @@ def worker_llama(target: str, threads: int) -> dict:
     import llama_cpp
 
     llm = llama_cpp.Llama(
-        target, n_ctx=1024, n_batch=PREFILL, n_threads=threads, n_threads_batch=threads,
+        target, n_ctx=4096, n_batch=PREFILL, n_threads=threads, n_threads_batch=threads,
         verbose=False,
     )  # fmt: skip
     out = {}
@@ -74,6 +92,17 @@ def worker_llama(target: str, threads: int) -> dict:
         token = llm.sample(top_k=1, temp=0.0)
         llm.eval([token])
     out["decode_tps"] = DECODE / (time.perf_counter() - start)
+    llm.reset()
+    llm.eval(_ids(DEPTH))
+    ids = _ids(PREFILL, seed=1)[1:] + [5]
+    start = time.perf_counter()
+    llm.eval(ids)
+    out["deep_prefill_tps"] = len(ids) / (time.perf_counter() - start)
+    start = time.perf_counter()
+    for _ in range(DEEP_DECODE):
+        token = llm.sample(top_k=1, temp=0.0)
+        llm.eval([token])
+    out["deep_decode_tps"] = DEEP_DECODE / (time.perf_counter() - start)
     out["system_info"] = llama_cpp.llama_print_system_info().decode()
     return out
 
@@ -131,7 +160,7 @@ def main() -> None:
             "ratio": statistics.median(ratios(key)),
             "ratio_range": [min(ratios(key)), max(ratios(key))],
         }
-        for key in ("decode_tps", "prefill_tps")
+        for key in KEYS
     }
     doc = {
         "command": f".venv/bin/python benchmarks/gemma3.py --threads {args.threads} "
@@ -139,6 +168,10 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(),
         "cpu_model": _cpu_model(),
         "threads": args.threads,
+        "depth": DEPTH,
+        "window": config["model"].get("local_window"),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "mlcrun_commit": _commit(),
         "quantization": config["quantization"],
         "activations": config.get("activations"),
         "params_mib": sum(p.stat().st_size for p in (art / "params").iterdir()) / 2**20,
@@ -149,6 +182,13 @@ def main() -> None:
     }
     RESULTS.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
+
+
+def _commit() -> str | None:
+    proc = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    return proc.stdout.strip() or None
 
 
 def _cpu_model() -> str:

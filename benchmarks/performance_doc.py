@@ -856,9 +856,23 @@ def _gemma3_reading(gemma: dict) -> str:
         f"Decode: mlcrun is {where} llama.cpp ({dec['ratio']:.2f}x) while reading "
         f"{more:.0%} more weight bytes per token (the file's 4- to 6-bit layer tensors are "
         "stored in 8 bits; the tied 262k x 640 embedding, read by the lm_head every token, is "
-        "Q8_0 in the file and q8f32 in mlcrun, the same bytes), and while its 15 sliding-window "
-        "layers use TVM's own windowed attention kernels (scalar: mlcrun's vectorized ones do "
-        "not take a window yet). A preset per tensor would read the file's bytes."
+        "Q8_0 in the file and q8f32 in mlcrun, the same bytes). A preset per tensor would read "
+        "the file's bytes." + _gemma3_deep(gemma)
+    )
+
+
+def _gemma3_deep(gemma: dict) -> str:
+    """The rows past the window, when the run measured them."""
+    sm = gemma["summary"]
+    if "deep_decode_tps" not in sm:
+        return ""
+    return (
+        f" Past the window (a {gemma['depth']}-token context), the 15 sliding-window layers "
+        f"attend to their last {gemma.get('window') or 512} keys in both engines and the 3 full "
+        "ones to all of them: mlcrun's windowed kernels skip the pages before a sequence's "
+        "window (docs/architecture.md, Gemma 3), so a local layer's cost stops growing with "
+        f"the context; decode there is {sm['deep_decode_tps']['ratio']:.2f}x llama.cpp, a "
+        f"256-token chunk {sm['deep_prefill_tps']['ratio']:.2f}x."
     )
 
 
@@ -891,12 +905,26 @@ def gemma3_section(gemma: dict | None) -> list[str]:
         f"the file's {gemma['gguf_mib']:.0f} MiB (no preset holds Q6_K exactly, and one preset "
         "serves all layers: docs/architecture.md, Quantized weights). Decode: 64 tokens at "
         "batch 1 after a 16-token prompt; prefill: one 256-token prompt (mlcrun cuts it into "
-        "chunks of window - 1 = 511 tokens, so one chunk here).",
+        "chunks of window - 1 = 511 tokens, so one chunk here)."
+        + (
+            f" At depth {gemma['depth']}: a {gemma['depth']}-token context first, then a "
+            "256-token chunk and 32 decoded tokens."
+            if "deep_decode_tps" in sm
+            else ""
+        ),
         "",
         "| | mlcrun tok/s | llama.cpp tok/s | mlcrun / llama.cpp (range) |",
         "|---|---|---|---|",
         row("decode_tps", "decode, batch 1"),
         row("prefill_tps", "prefill, 256 tokens"),
+        *(
+            [
+                row("deep_decode_tps", f"decode at depth {gemma['depth']}"),
+                row("deep_prefill_tps", f"prefill, 256 tokens at depth {gemma['depth']}"),
+            ]
+            if "deep_decode_tps" in sm
+            else []
+        ),
         "",
         _gemma3_reading(gemma),
         "",
