@@ -119,14 +119,22 @@ class Conversation:
         params = replace(self.params, max_tokens=max_tokens, min_tokens=min_tokens)
         final: RequestOutput | None = None
         answer = []
+        stream = self.llm.stream([ids], params)  # held here, so it outlives the loop
         try:
-            for out in self.llm.stream([ids], params):
+            for out in stream:
                 answer.append(out.delta_text)
                 final = out
                 if out.delta_text:
                     yield out.delta_text
         finally:
             text = "".join(answer)
+            if final is not None and not final.finished:
+                # Stopped (the caller closed us: Ctrl-C in the REPL). Abort the request here,
+                # rather than leave it to the stream, to keep its final output: the timings.
+                for out in self.llm.engine.abort(final.request_id):
+                    if out.index == final.index:
+                        final = out
+            stream.close()
             if self.raw:
                 self.messages = []
             else:

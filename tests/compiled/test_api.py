@@ -84,3 +84,20 @@ def test_a_conversation_caps_min_tokens_with_max_tokens_at_the_window(llm):
     assert conv.last.finish_reason == "length"
     assert conv.last.prompt_tokens + conv.last.completion_tokens == llm.engine.context_window
     assert text == conv.last.text
+
+
+def test_a_stopped_answer_keeps_its_timings(llm):
+    """An answer the caller stops (the REPL's Ctrl-C closes the stream) is aborted with its
+    timings kept, so /stats shows its speed rather than 0 tok/s."""
+    from mlcrun.chat import Conversation
+
+    conv = Conversation(llm, SamplingParams(max_tokens=200, min_tokens=200, temperature=0))
+    answer = conv.ask("Once upon a time")
+    pieces = [next(answer) for _ in range(6)]
+    answer.close()
+    turn = conv.last
+    assert turn is not None and turn.finish_reason == "abort"
+    assert 6 <= turn.completion_tokens < 200
+    assert turn.text == "".join(pieces)
+    assert turn.ttft > 0 and turn.decode_tokens_per_s > 0
+    assert not llm.engine.has_unfinished()
