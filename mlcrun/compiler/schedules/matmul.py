@@ -18,8 +18,14 @@ the same kernel serves decode, verification and prefill, in three kinds of varia
   MR = 2, 4 or 7 rows (`ROWS_VARIANTS`, the smallest that covers M; A is padded to MR rows)
   and NR columns (MR*NR accumulators under 1 KiB, see `GEMM_MR`). The rows loop innermost
   of [chunk, column tile, row tile], so each W tile is loaded, and for a quantized W
-  unpacked, once for all rows; a GEMV over the same M would unpack it once per row.
-* Batch (a float W, `GEMM_MIN_ROWS` <= M < `BATCH_MAX_ROWS`: batched decode of 8-31
+  unpacked, once for all rows; a GEMV over the same M would unpack it once per row. A float
+  W keeps only MR = 2 (`FLOAT_ROWS_VARIANTS`) and takes the batch variant from 3 rows: its
+  2-row tiles re-read a W tile from L1, where one 7-row tile (NR = 2) kept few rows per W
+  load and padded 5 rows to 7. SmolLM2 F32 at depth 256, 2 threads, Intel Xeon (`mlcrun
+  bench --mode kernel -k 2,3,4,6`, interleaved runs): a verify of 4, 5 and 7 tokens went
+  from 1.34-1.39x, 1.52-1.55x and 1.60-1.67x a decode step to 1.24-1.30x, 1.24-1.29x and
+  1.22-1.27x.
+* Batch (a float W, 3 <= M < `BATCH_MAX_ROWS`: a verify, batched decode of up to 31
   sequences): the small-M loop nest with several row tiles of `BATCH_MR` rows inside each
   column tile, so a W tile (NR rows, a few KiB) comes from memory once and from L1 for the
   other row tiles. At these M the step reads all of W once and does ~M FLOPs per weight
@@ -103,6 +109,7 @@ GEMM_MR_LONG_K = 6
 LONG_K_LANES = 8  # 6 x 4 x 8 lanes x 4 B = 768 B of accumulators (16 lanes: a workspace)
 GEMM_MIN_ROWS = 8  # the GEMM variant wins from ~7 rows (measured on 3072x576 weights)
 ROWS_VARIANTS = (2, 4, 7)  # MR of the small-M variants: each serves M up to its MR
+FLOAT_ROWS_VARIANTS = (2,)  # a float W: the batch variant from 3 rows (see "Batch")
 BATCH_MR = 2  # rows per tile of the batch variant (fp32 W, GEMM_MIN_ROWS <= M < BATCH_MAX_ROWS)
 BATCH_MAX_ROWS = 32  # from here the GEMM's L2 chunks pay (see "Batch" in the module doc)
 PREFETCH_LOCALITY = 2  # llvm.prefetch locality of the row variants' W prefetch (prefetcht1)
@@ -657,21 +664,22 @@ def schedule(
     # the loads (q0f16, q0bf16); 0 for packed codes
     streamed = info.w_bits if batch else 16 if _same_shape_source(sch, deq, info) is not None else 0
     gemm_rows = BATCH_MAX_ROWS if batch else GEMM_MIN_ROWS
+    variants = FLOAT_ROWS_VARIANTS if batch else ROWS_VARIANTS
     if isinstance(info.rows, tirx.IntImm):
         m = info.rows.value
         if m >= gemm_rows:
             cfg = tile_config(info, vector_bits, "gemm", tuning=tuning)
-        elif m >= GEMM_MIN_ROWS:
+        elif m > variants[-1]:
             cfg = tile_config(info, vector_bits, "rows", BATCH_MR)
         elif m == 1:
             cfg = tile_config(info, vector_bits, "gemv", tuning=tuning, streamed_bits=streamed)
         else:
-            mr = next(r for r in ROWS_VARIANTS if r >= m)
+            mr = next(r for r in variants if r >= m)
             cfg = _small_m_config(info, vector_bits, mr, None, tuning, streamed)
         return schedule_matmul(func, info, cfg)
     gemv = tile_config(info, vector_bits, "gemv", tuning=tuning, streamed_bits=streamed)
     small = [(2, schedule_matmul(func, info, gemv))]
-    for mr in ROWS_VARIANTS:
+    for mr in variants:
         cfg = _small_m_config(info, vector_bits, mr, gemv.nb, tuning, streamed)
         small.append((mr + 1, schedule_matmul(func, info, cfg)))
     if batch:
