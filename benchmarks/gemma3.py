@@ -51,12 +51,7 @@ def worker_mlcrun(target: str, threads: int) -> dict:
     out["prefill_tps"] = PREFILL / (time.perf_counter() - start)
     model.add_new_sequence(1)
     logits = model.batch_prefill(model.token_embed(_ids(PROMPT)), [1], [PROMPT])
-    token = int(logits[0].argmax())
-    start = time.perf_counter()
-    for _ in range(DECODE):
-        logits = model.batch_decode(model.token_embed([token]), [1])
-        token = int(logits[0].argmax())
-    out["decode_tps"] = DECODE / (time.perf_counter() - start)
+    out["decode_tps"] = _greedy_tps(model, 1, int(logits[0].argmax()), DECODE)
     for seq in (0, 1):
         model.remove_sequence(seq)
     model.add_new_sequence(2)
@@ -65,13 +60,24 @@ def worker_mlcrun(target: str, threads: int) -> dict:
     start = time.perf_counter()
     logits = model.batch_prefill(model.token_embed(ids), [2], [len(ids)])
     out["deep_prefill_tps"] = len(ids) / (time.perf_counter() - start)
-    token = int(logits[0].argmax())
-    start = time.perf_counter()
-    for _ in range(DEEP_DECODE):
-        logits = model.batch_decode(model.token_embed([token]), [2])
-        token = int(logits[0].argmax())
-    out["deep_decode_tps"] = DEEP_DECODE / (time.perf_counter() - start)
+    out["deep_decode_tps"] = _greedy_tps(model, 2, int(logits[0].argmax()), DEEP_DECODE)
     return out
+
+
+def _greedy_tps(model, seq: int, token: int, n: int) -> float:
+    """Tokens/s of n greedy decode steps of sequence `seq`, starting from `token`."""
+    start = time.perf_counter()
+    for _ in range(n):
+        logits = model.batch_decode(model.token_embed([token]), [seq])
+        token = int(logits[0].argmax())
+    return n / (time.perf_counter() - start)
+
+
+def _llama_greedy_tps(llm, n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        llm.eval([llm.sample(top_k=1, temp=0.0)])
+    return n / (time.perf_counter() - start)
 
 
 def worker_llama(target: str, threads: int) -> dict:
@@ -87,22 +93,14 @@ def worker_llama(target: str, threads: int) -> dict:
     out["prefill_tps"] = PREFILL / (time.perf_counter() - start)
     llm.reset()
     llm.eval(_ids(PROMPT))
-    start = time.perf_counter()
-    for _ in range(DECODE):
-        token = llm.sample(top_k=1, temp=0.0)
-        llm.eval([token])
-    out["decode_tps"] = DECODE / (time.perf_counter() - start)
+    out["decode_tps"] = _llama_greedy_tps(llm, DECODE)
     llm.reset()
     llm.eval(_ids(DEPTH))
     ids = _ids(PREFILL, seed=1)[1:] + [5]
     start = time.perf_counter()
     llm.eval(ids)
     out["deep_prefill_tps"] = len(ids) / (time.perf_counter() - start)
-    start = time.perf_counter()
-    for _ in range(DEEP_DECODE):
-        token = llm.sample(top_k=1, temp=0.0)
-        llm.eval([token])
-    out["deep_decode_tps"] = DEEP_DECODE / (time.perf_counter() - start)
+    out["deep_decode_tps"] = _llama_greedy_tps(llm, DEEP_DECODE)
     out["system_info"] = llama_cpp.llama_print_system_info().decode()
     return out
 
