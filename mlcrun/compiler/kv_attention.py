@@ -34,18 +34,18 @@ loaded as stored (float32 or float16) and widened. Two shapes of work:
   SHORT_ROWS[dtype] // G new tokens: a speculative verify of K tokens, a short chunk): every
   new row sees every cached key (with `causal`, the keys up to the row's own position: a
   per-token count of visible slots, masked by lane like a page's end), so this is a decode
-  with q_n x G rows per KV head. Tasks,
-  split and merge are decode's; per page, the page steps run for every KV head and token (the
-  token loop unrolled to SHORT_ROWS // G under a guard: a runtime row offset cost 40% in
-  address arithmetic); a float16 page is widened once into a float32 copy first. Each page is
-  read once for all the rows, front to back, where the tiles read it once per tile and KV head
-  at the page's stride: at depth 1024 on one thread with float32 pages, 2 new tokens of
-  SmolLM2 (9/3 heads) take 0.55x the tiles' time, 4 tokens 0.77x, 8 tokens 0.90x. But the
-  decode structure spends more instructions per row (a shuffle tree and a scalar softmax step
-  per row and page) than a full tile, so it wins only while the tiles are starved of rows or
-  of bandwidth: past 24 rows per KV head (float32; 28 and 32 rows: 1.0x and 0.87x) or 6 rows
-  (float16: half the bytes; 8 and 9 rows lose 5%, 12 rows 20%) the tiles stay. Both kinds of
-  task share one parallel loop, the short ones first.
+  with q_n x G rows per KV head. Tasks, split and merge are decode's; per page, the page
+  steps run for every KV head and token (the token loop unrolled to SHORT_ROWS // G under a
+  guard: a runtime row offset cost 40% in address arithmetic); a float16 page is widened
+  once into a float32 copy first. Each page is read once for all the rows, front to back,
+  where the tiles read it once per tile and KV head at the page's stride: at depth 1024 on
+  one thread with float32 pages, 2 new tokens of SmolLM2 (9/3 heads) take 0.55x the tiles'
+  time, 4 tokens 0.77x, 8 tokens 0.90x. But the decode structure spends more instructions
+  per row (a shuffle tree and a scalar softmax step per row and page) than a full tile, so
+  it wins only while the tiles are starved of rows or of bandwidth: past 24 rows per KV head
+  (float32; 28 and 32 rows: 1.0x and 0.87x) or 6 rows (float16: half the bytes; 8 and 9 rows
+  lose 5%, 12 rows 20%) the tiles stay. Both kinds of task share one parallel loop, the
+  short ones first.
 * Row tiles (prefill over the chunk itself or of a long chunk over cached pages, and both tree
   kernels): a task is a tile of 16 query rows that read the same keys (consecutive (token,
   head) rows of one sequence and one KV head: with GQA a tile spans a few tokens times the
@@ -166,9 +166,9 @@ def _max_stage(hx, rotation):
     )
 
 
-def _in_page(j, start, cnt):
-    """Lane j of a page holds a visible key: j < cnt, and j >= start unless start is None."""
-    return j < cnt if start is None else T.And(start <= j, j < cnt)
+def _in_range(j, first, end):
+    """first <= j < end; without a first (None), j < end."""
+    return j < end if first is None else T.And(first <= j, j < end)
 
 
 def _whole_page(start, cnt):
@@ -211,7 +211,7 @@ def _page_macros(G: int, D: int):
             # Slots past `cnt` (stale, or NaN) and before `start` (outside a window) are masked.
             for j in T.vectorized(LANES):
                 p[row0 + hk * G + g, j] = T.Select(
-                    _in_page(j, start, cnt), hx[0, j], T.float32(MASKED)
+                    _in_range(j, start, cnt), hx[0, j], T.float32(MASKED)
                 )
                 hx[0, j] = p[row0 + hk * G + g, j]
             _max_stage(hx, rotate[8])
@@ -223,7 +223,7 @@ def _page_macros(G: int, D: int):
             m[row0 + hk * G + g] = hx[1, 0]
             for j in T.vectorized(LANES):
                 p[row0 + hk * G + g, j] = T.Select(
-                    _in_page(j, start, cnt),
+                    _in_range(j, start, cnt),
                     exp2_nonpositive(p[row0 + hk * G + g, j] - hx[1, 0]),
                     T.float32(0),
                 )
@@ -295,6 +295,8 @@ class _LengthInfo:
     and the first one read is masked below the offset (`start`, None without a window)."""
 
     def __init__(self, window: int | None):
+        if window is not None and window <= 0:
+            raise ValueError(f"window must be positive, got {window}")
         self.window = window
         self.check_no_sink = _check_no_sink if window else _nothing
 
@@ -305,8 +307,11 @@ class _LengthInfo:
     def shape(self, batch_size):
         return (3, batch_size) if self.window else (batch_size,)
 
-    def last(self, info, b):
-        return info[0, b] if self.window else info[b]
+    def end(self, page_indptr, info, b):
+        """The slots of sequence b's keys over its pages (n: a window's included)."""
+        pages = page_indptr[b + 1] - page_indptr[b]
+        last = info[0, b] if self.window else info[b]
+        return T.if_then_else(pages > 0, (pages - 1) * PAGE + last, 0)
 
     def offset(self, info, b):
         return info[1, b] if self.window else 0
@@ -318,12 +323,6 @@ class _LengthInfo:
         return info[1, b] - pg * PAGE if self.window else None
 
 
-def _length_info(window: int | None) -> _LengthInfo:
-    if window is not None and window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
-    return _LengthInfo(window)
-
-
 def decode_attention(
     num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, window: int | None = None
 ):
@@ -331,9 +330,9 @@ def decode_attention(
     must be 0). A task is a run of consecutive pages of one sequence for every head (a whole
     sequence unless the batch is small: then split, and merged). With `window` (a
     sliding_attention layer), the kernel replaces TVM's `..._sliding_window` one: the keys
-    start at the window's offset into the sequence's pages (see `_length_info`)."""
+    start at the window's offset into the sequence's pages (see `_LengthInfo`)."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
-    info = _length_info(window)
+    info = _LengthInfo(window)
     G = H_qo // H_kv
     # Split bounds: B < SPLIT_TASKS and chunk_pages >= pages / SPLIT_TASKS, so fewer than
     # B + SPLIT_TASKS < 2 * SPLIT_TASKS chunks.
@@ -438,9 +437,7 @@ def decode_attention(
                 )
                 begin: T.let[T.int32] = page_table_indptr[b]
                 num_pages: T.let[T.int32] = page_table_indptr[b + 1] - begin
-                n: T.let[T.int32] = T.if_then_else(
-                    num_pages > 0, (num_pages - 1) * PAGE + info.last(length_info, b), 0
-                )
+                n: T.let[T.int32] = info.end(page_table_indptr, length_info, b)
                 first_page: T.let[T.int32] = info.skip(length_info, b) + c * chunk_pages
                 end_page: T.let[T.int32] = T.min(num_pages, first_page + chunk_pages)
                 for h in T.serial(H_qo):
@@ -588,10 +585,6 @@ def _direct_chunk(widen: bool, c, kv_n, first_key):
     return full if first_key is None else T.And(first_key <= c * KEYS, full)
 
 
-def _key_in(j, first_key, kv_n):
-    return j < kv_n if first_key is None else T.And(first_key <= j, j < kv_n)
-
-
 def _row_tile(D: int, G: int, dtype: str):
     """The tile body: 16 query rows of one sequence and KV head against its keys, chunk by
     chunk. The caller describes the keys with `full_index(which, c, cc, d)` (key c*KEYS+cc of
@@ -706,7 +699,7 @@ def _row_tile(D: int, G: int, dtype: str):
                 )
             else:
                 for cc in T.serial(KEYS):
-                    if _key_in(c * KEYS + cc, first_key, kv_n):
+                    if _in_range(c * KEYS + cc, first_key, kv_n):
                         for d in T.vectorized(D):
                             kc[cc, d] = kref[full_index(0, c, cc, d)].astype("float32")
                             vc[cc, d] = vref[full_index(1, c, cc, d)].astype("float32")
@@ -768,7 +761,7 @@ def _no_order(tok):
 
 def _window_visible(j, lim, order):
     """A window's mask: `order` is the row's first visible slot, `lim` the end."""
-    return T.And(order <= j, j < lim)
+    return _in_range(j, order, lim)
 
 
 def _row_first(first_slot):
@@ -924,7 +917,7 @@ def prefill_paged_attention(
     layer), it replaces TVM's `..._sliding_window` kernel: each row sees the cached keys
     `_window_rows` gives it, and pages before the first row's window are not read."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
-    info = _length_info(window)
+    info = _LengthInfo(window)
     G = H_qo // H_kv
     tile = _row_tile(D, G, dtype)
     scores, values = _page_macros(G, D)
@@ -935,19 +928,11 @@ def prefill_paged_attention(
     MAX_CHUNKS = 2 * SPLIT_TASKS  # as in decode
     widen = dtype != "float32"
 
-    def cached(page_indptr, length_info, b):
-        """The slots of sequence b's cached keys, its window's included."""
-        return T.if_then_else(
-            page_indptr[b + 1] > page_indptr[b],
-            (page_indptr[b + 1] - page_indptr[b] - 1) * PAGE + info.last(length_info, b),
-            0,
-        )
-
     def first_slots(causal, page_indptr, length_info, b):
         """None, or (a window) per new token of sequence b the first cached slot it sees."""
         if not window:
             return None
-        n = cached(page_indptr, length_info, b)
+        n = info.end(page_indptr, length_info, b)
         return _window_rows(causal, n, info.offset(length_info, b), window)
 
     def skip(causal, page_indptr, length_info, b):
@@ -1128,7 +1113,7 @@ def prefill_paged_attention(
                         q_begin: T.let[T.int32] = q_indptr[b]
                         begin: T.let[T.int32] = page_indptr[b]
                         num_pages: T.let[T.int32] = page_indptr[b + 1] - begin
-                        n: T.let[T.int32] = cached(page_indptr, length_info, b)
+                        n: T.let[T.int32] = info.end(page_indptr, length_info, b)
                         first_page: T.let[T.int32] = (
                             skip(causal, page_indptr, length_info, b) + c * chunk_pages
                         )
@@ -1208,7 +1193,7 @@ def prefill_paged_attention(
                         hk: T.let[T.int32] = (task - counts[0]) % H_kv
                         q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
                         page_begin: T.let[T.int32] = page_indptr[b]
-                        kv_n: T.let[T.int32] = cached(page_indptr, length_info, b)
+                        kv_n: T.let[T.int32] = info.end(page_indptr, length_info, b)
                         tile(
                             q,
                             output,

@@ -110,7 +110,7 @@ LONG_K_LANES = 8  # 6 x 4 x 8 lanes x 4 B = 768 B of accumulators (16 lanes: a w
 GEMM_MIN_ROWS = 8  # the GEMM variant wins from ~7 rows (measured on 3072x576 weights)
 ROWS_VARIANTS = (2, 4, 7)  # MR of the small-M variants: each serves M up to its MR
 FLOAT_ROWS_VARIANTS = (2,)  # a float W: the batch variant from 3 rows (see "Batch")
-BATCH_MR = 2  # rows per tile of the batch variant (fp32 W, GEMM_MIN_ROWS <= M < BATCH_MAX_ROWS)
+BATCH_MR = 2  # rows per tile of the batch variant (fp32 W, 3 <= M < BATCH_MAX_ROWS)
 BATCH_MAX_ROWS = 32  # from here the GEMM's L2 chunks pay (see "Batch" in the module doc)
 PREFETCH_LOCALITY = 2  # llvm.prefetch locality of the row variants' W prefetch (prefetcht1)
 # The GEMV of a float W on Zen 4 (`GemmTuning.stream_w`). Tiles of NR = 4 W rows read 4
