@@ -84,7 +84,7 @@ class LLM:
         if self.model.config.sliding_window:
             config = replace(config, prefix_cache=False)  # windowed sequences cannot be forked
         chunk = local_chunk(self.model.config.local_window)
-        if chunk:  # Gemma 3: forks past the window are unverified; chunks must fit in it
+        if chunk:  # Gemma 3: forks past the window go wrong; chunks must fit in it
             chunk = min(config.prefill_chunk_size, chunk)
             config = replace(config, prefix_cache=False, prefill_chunk_size=chunk)
         self.engine_config = config
