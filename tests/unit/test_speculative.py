@@ -14,6 +14,7 @@ from stats_check import assert_draws_follow
 
 from mlcrun.engine.config import EngineConfig
 from mlcrun.engine.engine import Engine
+from mlcrun.engine.request import Request
 from mlcrun.engine.spec.accept import accept_sampled
 from mlcrun.engine.spec.adaptive import CostModel, best_draft_length, expected_tokens
 from mlcrun.engine.spec.ngram import NgramDrafter
@@ -458,3 +459,38 @@ def test_ngram_lookup_prefers_the_longest_match():
     assert drafter.lookup([1, 2, 3, 4], k=3).tokens == []
     wide = NgramDrafter(2).lookup([7, 1, 5, 7, 1, 6, 7, 1], k=2, width=3)
     assert wide.tokens[:2] == [6, 7] and wide.tokens[2:] == [5] and wide.parents == [0, 1, 0]
+
+
+def _scan_lookup(tokens, ngram_max, k, width):
+    """Prompt lookup by scanning the whole history: the drafter's rule, stated directly."""
+    for n in range(min(ngram_max, len(tokens) - 1), 0, -1):
+        follows = [s + n for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
+        if follows:
+            full = [f for f in follows if len(tokens) - f >= k]
+            best = full[-1] if full else follows[0]
+            chain = tokens[best : best + k]
+            others = []
+            for f in reversed(follows):
+                if tokens[f] not in (chain[0], *others) and len(others) < width - 1:
+                    others.append(tokens[f])
+            return chain, others
+    return [], []
+
+
+def test_ngram_index_follows_a_growing_request():
+    """The drafter indexes a request's tokens once and extends the index as they grow; every
+    step's draft is what a scan of the whole history gives."""
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        ngram_max, vocab = int(rng.integers(1, 5)), int(rng.integers(2, 7))
+        drafter = NgramDrafter(ngram_max)
+        prompt = rng.integers(0, vocab, int(rng.integers(1, 12))).tolist()
+        req = Request(f"r{trial}", prompt, SamplingParams())
+        for _ in range(30):
+            k, width = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+            tree = drafter.propose([req], {req: k}, width)[req]
+            chain, others = _scan_lookup(req.tokens, ngram_max, k, width)
+            assert tree.tokens == chain + others
+            assert tree.parents == list(range(len(chain))) + [0] * len(others)
+            for token in rng.integers(0, vocab, int(rng.integers(1, 4))).tolist():
+                req.append(token)

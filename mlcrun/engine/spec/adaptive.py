@@ -34,13 +34,24 @@ class CostModel:
 
     verify: dict[int, dict[int, float]] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
+    # Interpolated costs, asked for every step: (batch, tokens) -> seconds, 0 tokens = a draft.
+    _memo: dict[tuple[int, int], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def verify_cost(self, batch: int, tokens: int) -> float:
-        row = _nearest(self.verify, batch)
-        return _interpolate(row, tokens)
+        cost = self._memo.get((batch, tokens))
+        if cost is None:
+            cost = self._memo[batch, tokens] = _interpolate(_nearest(self.verify, batch), tokens)
+        return cost
 
     def draft_cost(self, batch: int) -> float:
-        return _interpolate(self.draft, batch) if self.draft else 0.0
+        if not self.draft:
+            return 0.0
+        cost = self._memo.get((batch, 0))
+        if cost is None:
+            cost = self._memo[batch, 0] = _interpolate(self.draft, batch)
+        return cost
 
     def to_dict(self) -> dict:
         return {

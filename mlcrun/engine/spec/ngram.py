@@ -1,55 +1,91 @@
 """Prompt lookup (n-gram drafting): no extra model. The last n tokens of a request (n from
 `ngram_max` down to 1, longest first) are searched earlier in its prompt and output; the
 tokens that followed the match are the draft. Pays off when the output quotes its input
-(editing, summarising, code), costs nothing when there is no match."""
+(editing, summarising, code), costs nothing when there is no match.
+
+Each request keeps an index of where every n-gram of its tokens was followed (`NgramIndex`),
+extended by the tokens appended since the last step, so a lookup is ngram_max dictionary
+probes instead of a scan of the whole history (which, at a few hundred tokens, cost a
+sizeable share of a small model's step)."""
 
 from __future__ import annotations
 
+import bisect
+import weakref
 from collections.abc import Sequence
-
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from ..request import Request
 from .tree import DraftTree
 
 
+class NgramIndex:
+    """For one growing token sequence: each n-gram (n = 1..ngram_max) -> the positions of
+    the tokens that followed its occurrences, ascending. An occurrence that ends at the last
+    token has no follower yet; it is indexed when the next token arrives."""
+
+    def __init__(self, ngram_max: int) -> None:
+        self.ngram_max = ngram_max
+        self.follows: dict[tuple[int, ...], list[int]] = {}
+        self.indexed = 0  # occurrences ending before this position are indexed
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        end = len(tokens) - 1  # the last token has no follower yet
+        for i in range(self.indexed, end):
+            for n in range(1, min(self.ngram_max, i + 1) + 1):
+                self.follows.setdefault(tuple(tokens[i - n + 1 : i + 1]), []).append(i + 1)
+        self.indexed = max(self.indexed, end)
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """Where the tokens after the earlier occurrences of the longest matching suffix of
+        `tokens` begin (ascending; empty when not even the last token occurred before)."""
+        for n in range(min(self.ngram_max, len(tokens) - 1), 0, -1):
+            follows = self.follows.get(tuple(tokens[-n:]))
+            if follows:
+                return follows
+        return []
+
+
 class NgramDrafter:
     def __init__(self, ngram_max: int) -> None:
         self.ngram_max = ngram_max
+        self._indexes: weakref.WeakKeyDictionary[Request, NgramIndex] = (
+            weakref.WeakKeyDictionary()
+        )  # a finished request's index goes with it
 
     def propose(
         self, batch: Sequence[Request], lengths: dict[Request, int], width: int
     ) -> dict[Request, DraftTree]:
-        return {r: self.lookup(r.tokens, lengths.get(r, 0), width) for r in batch}
+        trees = {}
+        for req in batch:
+            index = self._indexes.get(req)
+            if index is None:
+                index = self._indexes[req] = NgramIndex(self.ngram_max)
+            trees[req] = self._lookup(index, req.tokens, lengths.get(req, 0), width)
+        return trees
 
     def lookup(self, tokens: Sequence[int], k: int, width: int = 1) -> DraftTree:
         """A chain of up to k tokens after the longest earlier match of the suffix; with
         width > 1, up to width - 1 other tokens that followed other matches, as alternatives
         at the first position."""
-        if k <= 0 or len(tokens) < 2:
-            return DraftTree()
-        history = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.ngram_max, len(history) - 1), 0, -1):
-            windows = sliding_window_view(history[:-1], n)  # match s..s+n-1, s + n <= len - 1
-            starts = np.flatnonzero((windows == history[-n:]).all(axis=1))
-            if starts.size:
-                return self._tree(history, starts + n, k, width)
-        return DraftTree()
+        return self._lookup(NgramIndex(self.ngram_max), tokens, k, width)
 
     @staticmethod
-    def _tree(history: np.ndarray, follows: np.ndarray, k: int, width: int) -> DraftTree:
-        """follows: where the tokens after each match begin (ascending)."""
-        # The most recent match that has k tokens after it, else the longest continuation.
-        room = len(history) - follows
-        full = follows[room >= k]
-        best = int(full[-1]) if full.size else int(follows[np.argmax(room)])
-        tree = DraftTree.of_chain(history[best : best + k].tolist())
+    def _lookup(index: NgramIndex, tokens: Sequence[int], k: int, width: int) -> DraftTree:
+        if k <= 0 or len(tokens) < 2:
+            return DraftTree()
+        index.extend(tokens)
+        follows = index.match(tokens)
+        if not follows:
+            return DraftTree()
+        # The most recent match that has k tokens after it, else the longest continuation
+        # (the earliest match).
+        full = bisect.bisect_right(follows, len(tokens) - k)
+        best = follows[full - 1] if full else follows[0]
+        tree = DraftTree.of_chain(tokens[best : best + k])
         if width > 1:
-            first = tree.tokens[0]
-            seen = {first}
-            for pos in follows[::-1]:  # most recent first
-                token = int(history[pos])
+            seen = {tree.tokens[0]}
+            for pos in reversed(follows):  # most recent first
+                token = tokens[pos]
                 if token not in seen:
                     seen.add(token)
                     tree.add(0, token)
