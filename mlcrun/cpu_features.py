@@ -7,9 +7,12 @@ instead of dying on an illegal instruction at its first matmul). No TVM import.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 from pathlib import Path
 
+from . import env
 from .errors import MlcrunError
 
 # LLVM feature name -> /proc/cpuinfo flag for the SIMD sets our kernels can use.
@@ -32,7 +35,14 @@ X86_FEATURES = {
     "avxvnni": "avx_vnni",
 }
 
+# AMX, used only where the OS grants the tile state (request_amx): LLVM feature -> flag.
+AMX_FEATURES = {"amx-tile": "amx_tile", "amx-bf16": "amx_bf16"}
+
 CPUINFO = Path("/proc/cpuinfo")
+
+_SYS_ARCH_PRCTL = 158  # x86-64
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
 
 
 def host_flags(cpuinfo: Path | None = None) -> set[str]:
@@ -53,7 +63,31 @@ def required_flags(target: str) -> set[str]:
         mattr = json.loads(target).get("mattr", [])
     except (ValueError, AttributeError):
         return set()
-    return {X86_FEATURES[f[1:]] for f in mattr if f.startswith("+") and f[1:] in X86_FEATURES}
+    known = X86_FEATURES | AMX_FEATURES
+    return {known[f[1:]] for f in mattr if f.startswith("+") and f[1:] in known}
+
+
+def uses_amx(target: str) -> bool:
+    """Whether an llvm target string switches AMX on (its library then has AMX kernels)."""
+    try:
+        return "+amx-tile" in json.loads(target).get("mattr", [])
+    except (ValueError, AttributeError):
+        return False
+
+
+@functools.cache
+def request_amx() -> bool:
+    """Ask Linux for the AMX tile state for this process (arch_prctl ARCH_REQ_XCOMP_PERM,
+    XTILEDATA): without it the first AMX instruction raises SIGILL. Granted once for every
+    thread of the process; False where the kernel or the hypervisor refuses (or not x86-64
+    Linux). Needs the amx_tile flag first: the request alone does not say the CPU has it."""
+    if "amx_tile" not in host_flags():
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def check_host(target: str, where: str, cpuinfo: Path | None = None) -> None:
@@ -64,6 +98,11 @@ def check_host(target: str, where: str, cpuinfo: Path | None = None) -> None:
         raise MlcrunError(
             f"{where}: compiled for a CPU with {', '.join(missing)}, which this CPU lacks; "
             "compile the model again on this machine"
+        )
+    if uses_amx(target) and not request_amx():
+        raise MlcrunError(
+            f"{where}: compiled with AMX kernels, but this process was refused the AMX tile "
+            f"state (arch_prctl); compile the model again with {env.MLCRUN_AMX}=0"
         )
 
 

@@ -12,6 +12,7 @@ from .errors import MlcrunError
 
 TVM_NUM_THREADS = "TVM_NUM_THREADS"
 MLCRUN_HOME = "MLCRUN_HOME"
+MLCRUN_AMX = "MLCRUN_AMX"  # 0: compile without AMX kernels where the CPU has AMX
 
 
 def value(name: str) -> str | None:
@@ -35,3 +36,14 @@ def tvm_num_threads() -> int | None:
             "(unset it to use every available core)"
         )
     return n
+
+
+def amx_allowed() -> bool:
+    """MLCRUN_AMX: 1 (the default) lets a compile use AMX where the CPU and the OS allow it,
+    0 keeps AMX out of the library (e.g. for a machine that refuses the tile state)."""
+    text = value(MLCRUN_AMX)
+    if text is None or text == "1":
+        return True
+    if text == "0":
+        return False
+    raise MlcrunError(f"{MLCRUN_AMX} must be 0 or 1, got {text!r}")

@@ -4,8 +4,10 @@ Why not `-mcpu=native` / LLVM's host feature detection: Intel CPUs since Sapphir
 advertise AMX (amx_tile/amx_int8/amx_bf16), but Linux lets a process execute AMX instructions
 only after it asks for the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)`); without
 that request the first one raises SIGILL, and where a hypervisor does not pass the state
-through, the request fails. mlcrun has no AMX kernels, so every SIMD feature is set explicitly
-from the kernel's flag list and AMX is always switched off.
+through, the request fails. So every SIMD feature is set explicitly from the kernel's flag
+list, and AMX (amx-tile and amx-bf16, for the q0bf16 GEMM's tiles) only where this process was
+granted the tile state and MLCRUN_AMX is not 0; the runtime asks for the same grant before it
+loads a library built with AMX (cpu_features.check_host).
 """
 
 from __future__ import annotations
@@ -16,14 +18,23 @@ import logging
 import tvm
 from tvm.target import Target
 
-from ..cpu_features import X86_FEATURES, host_flags
+from .. import env
+from ..cpu_features import AMX_FEATURES, X86_FEATURES, host_flags, request_amx
 
 LOG = logging.getLogger(__name__)
 
 # Each feature of X86_FEATURES is enabled iff its flag is present and disabled otherwise, so
 # the CPU model name (kept for LLVM's instruction scheduling) cannot switch on a vector ISA the
-# VM hides. Never emitted, whatever the CPU claims (see module docstring).
-_ALWAYS_OFF = ("amx-tile", "amx-int8", "amx-bf16", "amx-fp16", "amx-complex")
+# VM hides. Of the AMX features only AMX_FEATURES are ever enabled (see _amx_usable).
+_AMX_ALL = ("amx-tile", "amx-int8", "amx-bf16", "amx-fp16", "amx-complex")
+
+
+def _amx_usable(flags: set[str]) -> bool:
+    """AMX bf16 tiles for the q0bf16 GEMM (schedules/bf16.py): the CPU has them, MLCRUN_AMX
+    does not forbid them, and Linux grants this process the tile state (a library built with
+    AMX needs that grant wherever it runs; the runtime asks for it before loading)."""
+    want = set(AMX_FEATURES.values()) | {"avx512_bf16"}
+    return want <= flags and env.amx_allowed() and request_amx()
 
 
 def _mcpu(flags: set[str]) -> str:
@@ -41,13 +52,14 @@ def _mcpu(flags: set[str]) -> str:
 
 @functools.cache
 def cpu_target() -> Target:
-    """The llvm target for this machine with explicit SIMD features and AMX disabled."""
+    """The llvm target for this machine with explicit SIMD features (AMX where granted)."""
     flags = host_flags()
     if not flags:  # not Linux/x86: trust LLVM's own detection
         LOG.warning("no /proc/cpuinfo flags; using Target.from_device(cpu)")
         return Target.from_device(tvm.cpu())
     mattr = [("+" if flag in flags else "-") + feat for feat, flag in X86_FEATURES.items()]
-    mattr += ["-" + feat for feat in _ALWAYS_OFF]
+    amx = _amx_usable(flags)
+    mattr += [("+" if amx and feat in AMX_FEATURES else "-") + feat for feat in _AMX_ALL]
     if "avx512f" in flags:
         # Our kernels are written for 512-bit vectors; some CPU models prefer 256-bit ones.
         mattr.append("-prefer-256-bit")
@@ -101,6 +113,11 @@ def int8_dot(target: Target) -> str:
         return ""
     mattr = _mattr(target)
     return next((dot for dot in INT8_DOTS if f"+{dot}" in mattr), "")
+
+
+def amx_bf16(target: Target) -> bool:
+    """Whether the target multiplies bf16 in AMX tiles (tdpbf16ps) as well."""
+    return target.kind.name == "llvm" and {"+amx-tile", "+amx-bf16"} <= _mattr(target)
 
 
 def bf16_dot_bits(target: Target) -> int:

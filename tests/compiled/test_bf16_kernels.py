@@ -2,10 +2,12 @@
 numpy model of the same arithmetic (quant/numpy_ref: bf16_activations, bf16_linear).
 
 Odd shapes on purpose: N not a multiple of 16 (the last outputs run in scalar code, the tied
-head's too), K a multiple of 32, M in 1, 3, 8, 17 (remainders of the 4-row micro-kernel) and
-64. The rounding kernel is bit-exact (denormals flushed as vcvtne2ps2bf16 does); the matmul
-sums the same exact products as numpy in another order (pairs per lane), so it differs by
-fp32 summation only (bound: 2e-6 of the largest output).
+head's too), K a multiple of 32, M in 1, 3, 8, 17 (remainders of the 4-row micro-kernel), 64,
+and, where the target has AMX, 33 and 102 (32-row AMX blocks, then the rows past the last
+block and an odd last panel through the micro-kernels). The rounding kernel is bit-exact
+(denormals flushed as vcvtne2ps2bf16 does); the matmul sums the same exact products as numpy
+in another order (pairs per lane, or per tile), so it differs by fp32 summation only (bound:
+2e-6 of the largest output).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from tvm import relax  # noqa: E402
 from tvm.relax.frontend import nn  # noqa: E402
 
 from mlcrun.compiler.pipeline import get_pipeline  # noqa: E402
-from mlcrun.compiler.target import bf16_dot_bits, cpu_target  # noqa: E402
+from mlcrun.compiler.target import amx_bf16, bf16_dot_bits, cpu_target  # noqa: E402
 from mlcrun.quant import get_preset, numpy_ref  # noqa: E402
 from mlcrun.quant.modules import bf16_activations  # noqa: E402
 from mlcrun.quant.transform import dequantize_params  # noqa: E402
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.skipif(
     not bf16_dot_bits(cpu_target()), reason="this CPU has no AVX512-BF16"
 )
 RNG = np.random.default_rng(0)
-ROWS = (1, 3, 8, 17, 64)
+ROWS = (1, 3, 8, 17, 64) + ((33, 102) if amx_bf16(cpu_target()) else ())
 SHAPES = [(37, 96), (5, 32), (48, 288), (200, 64)]  # (N, K)
 TOL = 2e-6  # of the largest |output|
 
@@ -102,3 +104,20 @@ def test_matmul_and_epilogue_are_one_vdpbf16ps_kernel():
     assert "llvm.prefetch" in script  # a later tile's weights, by the first row tile
     rounding = funcs["bf16_activations"]
     assert rounding.attrs.get("tirx.is_scheduled") and "mlcrun_cvtne2ps2bf16" in rounding.script()
+    # with AMX, blocks of 32 rows take the tile kernel, fewer rows the vector one
+    assert ("mlcrun_amx_bf16_32x32" in script) == amx_bf16(cpu_target())
+
+
+def test_amx_only_where_the_cpu_the_os_and_mlcrun_amx_allow_it(monkeypatch):
+    from mlcrun.compiler import target as compiler_target
+
+    flags = {"avx512_bf16", "amx_tile", "amx_bf16"}
+    monkeypatch.setattr(compiler_target, "request_amx", lambda: True)
+    monkeypatch.delenv("MLCRUN_AMX", raising=False)
+    assert compiler_target._amx_usable(flags)
+    assert not compiler_target._amx_usable(flags - {"amx_bf16"})
+    monkeypatch.setenv("MLCRUN_AMX", "0")
+    assert not compiler_target._amx_usable(flags)
+    monkeypatch.setenv("MLCRUN_AMX", "1")
+    monkeypatch.setattr(compiler_target, "request_amx", lambda: False)  # the OS refuses
+    assert not compiler_target._amx_usable(flags)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mlcrun import cpu_features
+from mlcrun import cpu_features, env
 from mlcrun.errors import MlcrunError
 
 TARGET = json.dumps(
@@ -68,3 +68,52 @@ def test_unknown_l2_size_is_none(tmp_path):
     assert cpu_features.l2_cache_bytes(tmp_path / "missing") is None
     _cache(tmp_path, "index2", "2", "Unified", "lots")
     assert cpu_features.l2_cache_bytes(tmp_path) is None
+
+
+AMX_TARGET = json.dumps({"kind": "llvm", "mattr": ["+avx512f", "+amx-tile", "+amx-bf16"]})
+
+
+def test_an_amx_library_needs_the_amx_flags(tmp_path):
+    assert cpu_features.required_flags(AMX_TARGET) == {"avx512f", "amx_tile", "amx_bf16"}
+    assert cpu_features.uses_amx(AMX_TARGET) and not cpu_features.uses_amx(TARGET)
+    with pytest.raises(MlcrunError, match="with amx_bf16, amx_tile, which this CPU lacks"):
+        cpu_features.check_host(AMX_TARGET, "model", _cpuinfo(tmp_path, "avx512f"))
+
+
+def test_an_amx_library_asks_for_the_tile_state(tmp_path, monkeypatch):
+    info = _cpuinfo(tmp_path, "avx512f amx_tile amx_bf16")
+    monkeypatch.setattr(cpu_features, "request_amx", lambda: True)
+    cpu_features.check_host(AMX_TARGET, "model", info)
+    monkeypatch.setattr(cpu_features, "request_amx", lambda: False)
+    with pytest.raises(MlcrunError) as err:
+        cpu_features.check_host(AMX_TARGET, "model", info)
+    assert str(err.value) == (
+        "model: compiled with AMX kernels, but this process was refused the AMX tile state "
+        "(arch_prctl); compile the model again with MLCRUN_AMX=0"
+    )
+    plain = json.dumps({"kind": "llvm", "mattr": ["+avx512f", "-amx-tile"]})
+    cpu_features.check_host(plain, "model", info)  # no AMX in the library: no request
+
+
+def test_the_tile_state_request_matches_the_cpu():
+    granted = cpu_features.request_amx()
+    assert granted == cpu_features.request_amx()  # asked once per process
+    if "amx_tile" not in cpu_features.host_flags():
+        assert not granted
+
+
+@pytest.mark.parametrize(
+    ("value", "allowed"), [(None, True), ("1", True), ("0", False), (" ", True)]
+)
+def test_mlcrun_amx(monkeypatch, value, allowed):
+    if value is None:
+        monkeypatch.delenv(env.MLCRUN_AMX, raising=False)
+    else:
+        monkeypatch.setenv(env.MLCRUN_AMX, value)
+    assert env.amx_allowed() is allowed
+
+
+def test_a_bad_mlcrun_amx_is_named(monkeypatch):
+    monkeypatch.setenv(env.MLCRUN_AMX, "yes")
+    with pytest.raises(MlcrunError, match="MLCRUN_AMX must be 0 or 1, got 'yes'"):
+        env.amx_allowed()

@@ -61,6 +61,7 @@ PANEL = numpy_ref.PANEL  # output rows per weight panel = float32 lanes of a 512
 NP_CHOICES = (4, 3, 2)  # panels per tile: the widest leaving >= MIN_TILES parallel tiles
 MIN_TILES = 16
 PARALLEL_ROWS = 32  # the round kernel runs rows in parallel from this many rows on
+AMX_MIN_ROWS = 32  # the matmul takes AMX blocks from this many rows (one whole block) on
 F32 = "float32"
 F32X16 = "float32x16"
 I32X16 = "int32x16"
@@ -86,10 +87,71 @@ declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloa
 declare <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float>, <16 x float>)
 """
 
+# AMX: one 32-row x 32-output block over the whole K. A tile register holds 16 rows of 64
+# bytes: A = 16 activation rows x 32 bf16 (row stride K * 2 bytes), B = 16 K-pairs x 16
+# outputs x 2 -- exactly 16 consecutive K-pairs of a weight panel (stride 64 bytes), C = 16 x
+# 16 floats. Two A and two B tiles make four C tiles (all 8 tile registers); per 32 K-elements
+# four tdpbf16ps. The C tiles go to `c` (32 x 32 floats, row stride 128 bytes) for the
+# epilogue. The loop and the tile configuration (ldtilecfg) are LLVM's.
+AMX_BLOCK = 32  # rows and outputs of one AMX block
+AMX_K = 32  # K-elements per tile step
+AMX = "mlcrun_amx_bf16_32x32"
+AMX_WRAPPER = f"""
+define linkonce_odr void @{AMX}(ptr %a, i64 %lda, ptr %b0, ptr %b1, i64 %steps, ptr %c) #0 {{
+entry:
+  %half = mul i64 %lda, 16
+  %a1 = getelementptr i8, ptr %a, i64 %half
+  %z = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)
+  br label %loop
+loop:
+  %i = phi i64 [0, %entry], [%next, %loop]
+  %c00 = phi x86_amx [%z, %entry], [%d00, %loop]
+  %c01 = phi x86_amx [%z, %entry], [%d01, %loop]
+  %c10 = phi x86_amx [%z, %entry], [%d10, %loop]
+  %c11 = phi x86_amx [%z, %entry], [%d11, %loop]
+  %aoff = shl i64 %i, 6
+  %pa0 = getelementptr i8, ptr %a, i64 %aoff
+  %pa1 = getelementptr i8, ptr %a1, i64 %aoff
+  %boff = shl i64 %i, 10
+  %pb0 = getelementptr i8, ptr %b0, i64 %boff
+  %pb1 = getelementptr i8, ptr %b1, i64 %boff
+  %ta0 = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 64, ptr %pa0, i64 %lda)
+  %ta1 = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 64, ptr %pa1, i64 %lda)
+  %tb0 = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 64, ptr %pb0, i64 64)
+  %tb1 = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 64, ptr %pb1, i64 64)
+  %d00 = call x86_amx @llvm.x86.tdpbf16ps.internal(i16 16, i16 64, i16 64, x86_amx %c00,
+                                                   x86_amx %ta0, x86_amx %tb0)
+  %d01 = call x86_amx @llvm.x86.tdpbf16ps.internal(i16 16, i16 64, i16 64, x86_amx %c01,
+                                                   x86_amx %ta0, x86_amx %tb1)
+  %d10 = call x86_amx @llvm.x86.tdpbf16ps.internal(i16 16, i16 64, i16 64, x86_amx %c10,
+                                                   x86_amx %ta1, x86_amx %tb0)
+  %d11 = call x86_amx @llvm.x86.tdpbf16ps.internal(i16 16, i16 64, i16 64, x86_amx %c11,
+                                                   x86_amx %ta1, x86_amx %tb1)
+  %next = add i64 %i, 1
+  %done = icmp eq i64 %next, %steps
+  br i1 %done, label %exit, label %loop
+exit:
+  %p01 = getelementptr i8, ptr %c, i64 64
+  %p10 = getelementptr i8, ptr %c, i64 2048
+  %p11 = getelementptr i8, ptr %c, i64 2112
+  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %c, i64 128, x86_amx %d00)
+  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %p01, i64 128, x86_amx %d01)
+  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %p10, i64 128, x86_amx %d10)
+  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %p11, i64 128, x86_amx %d11)
+  ret void
+}}
+declare x86_amx @llvm.x86.tilezero.internal(i16, i16)
+declare x86_amx @llvm.x86.tileloadd64.internal(i16, i16, ptr, i64)
+declare x86_amx @llvm.x86.tdpbf16ps.internal(i16, i16, i16, x86_amx, x86_amx, x86_amx)
+declare void @llvm.x86.tilestored64.internal(i16, i16, ptr, i64, x86_amx)
+attributes #0 = {{ noinline }}
+"""
 
-def _with_wrappers():
+
+def _with_wrappers(amx: bool = False):
     """Scope whose body may call the wrappers (imported once per function)."""
-    return T.attr(tirx.const(0, "int32"), "pragma_import_llvm", LLVM_WRAPPERS)
+    ir = LLVM_WRAPPERS + (AMX_WRAPPER if amx else "")
+    return T.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir)
 
 
 def _annotated_blocks(sch: s_tir.Schedule) -> list:
@@ -135,7 +197,7 @@ def _round_kernel(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
 class _MatmulKernel(PanelLoops):
     """Emits the matmul kernel's body with the IR builder (see the module docstring)."""
 
-    def __init__(self, acts, weight, out, epilogue) -> None:
+    def __init__(self, acts, weight, out, epilogue, amx: bool) -> None:
         self.acts, self.weight, self.out, self.epilogue = acts, weight, out, epilogue
         self.n, self.k = _static(weight.shape[0]), _static(weight.shape[1])
         self.pairs = self.k // 2
@@ -143,6 +205,8 @@ class _MatmulKernel(PanelLoops):
         self.np = next(
             (p for p in NP_CHOICES if self.panels % p == 0 and self.panels // p >= MIN_TILES), 1
         )
+        # AMX blocks need whole 32-element K steps and at least one pair of panels
+        self.amx = amx and self.k % AMX_K == 0 and self.panels >= 2
 
     def _act(self, m, kp):
         """The activation pair kp of row m (32 bits), broadcast to the 16 lanes."""
@@ -212,17 +276,69 @@ class _MatmulKernel(PanelLoops):
                 lead = self._lead(m)
                 T.buffer_store(self.out, self.epilogue(acc[_c(0)], lead, col), [*lead, col])
 
+    def amx_loops(self, rows) -> None:
+        """Rows in blocks of 32 x output panels in pairs through AMX (in parallel; a thread's
+        consecutive blocks share a pair of panels, whose weights stay in its caches while
+        the activation rows pass); then the rows past the last whole block against every
+        panel, the rows of the blocks against an odd last panel, and the N % 16 tail, through
+        the vdpbf16ps micro-kernels."""
+        blocks = rows // AMX_BLOCK
+        pairs = self.panels // 2
+        done = blocks * AMX_BLOCK
+        with T.parallel(_c(0), blocks * pairs) as t:
+            c = T.alloc_buffer((AMX_BLOCK * AMX_BLOCK,), F32)
+            b, pair = t % blocks, t // blocks
+            a_at = b * (AMX_BLOCK * self.k)
+            w_at = pair * (2 * PANEL * self.k)
+            T.evaluate(
+                T.call_extern(
+                    "void",
+                    AMX,
+                    T.address_of(self.af[a_at]),
+                    _c(2 * self.k),  # bytes per activation row
+                    T.address_of(self.wf[w_at]),
+                    T.address_of(self.wf[w_at + PANEL * self.k]),
+                    _c(self.k // AMX_K),
+                    T.address_of(c[_c(0)]),
+                )
+            )
+            with T.serial(_c(0), _c(AMX_BLOCK)) as r:
+                lead = self._lead(b * AMX_BLOCK + r)
+                for j in range(2):
+                    col = (pair * 2 + j) * PANEL
+                    with T.vectorized(_c(0), _c(PANEL)) as lane:
+                        value = self.epilogue(c[r * AMX_BLOCK + j * PANEL + lane], lead, col + lane)
+                        T.buffer_store(self.out, value, [*lead, col + lane])
+        with T.If(done < rows):
+            with T.Then():
+                tiles = self.panels // self.np
+                with T.parallel(_c(0), _c(tiles)) as t:
+                    self.row_tiles(rows, t * self.np, self.np, start=done)
+                for p in range(tiles * self.np, self.panels):
+                    self.row_tiles(rows, _c(p), 1, start=done)
+        if self.panels % 2:
+            self.row_tiles(done, _c(self.panels - 1), 1)
+        if self.tail:
+            self.tail_outputs(rows)
+
     def build(self):
         rows = _rows(self.acts)
         with IRBuilder() as ib:
             with T.prim_func():
                 self.af, self.wf = _flat(self.acts), _flat(self.weight)
-                with _with_wrappers():
-                    self.panel_loops(rows)
+                with _with_wrappers(self.amx):
+                    if self.amx:
+                        with T.If(rows >= AMX_MIN_ROWS):
+                            with T.Then():
+                                self.amx_loops(rows)
+                            with T.Else():
+                                self.panel_loops(rows)
+                    else:
+                        self.panel_loops(rows)
         return ib.get().body
 
 
-def _matmul_kernel(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+def _matmul_kernel(func: tirx.PrimFunc, amx: bool) -> tirx.PrimFunc | None:
     sch = s_tir.Schedule(func)
     (block,) = _annotated_blocks(sch)
     reads = [r.source for r in sch.get(block).reads]
@@ -243,13 +359,14 @@ def _matmul_kernel(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     if found is None:
         return None
     out, epilogue = found
-    return _with_body(func, _MatmulKernel(acts, weight, out, epilogue).build())
+    return _with_body(func, _MatmulKernel(acts, weight, out, epilogue, amx).build())
 
 
-def schedule(func: tirx.PrimFunc, bf16_bits: int) -> tirx.PrimFunc | None:
-    """The vdpbf16ps kernel for a bf16-activation op of quant/modules.py, or None for any
-    other function (or when the target has no AVX512-BF16: the TE body then runs as
-    scheduled by the generic rules)."""
+def schedule(func: tirx.PrimFunc, bf16_bits: int, amx: bool = False) -> tirx.PrimFunc | None:
+    """The vdpbf16ps kernel for a bf16-activation op of quant/modules.py (with `amx`, its
+    matmul multiplies blocks of 32 rows in AMX tiles), or None for any other function (or
+    when the target has no AVX512-BF16: the TE body then runs as scheduled by the generic
+    rules)."""
     sch = s_tir.Schedule(func)
     blocks = _annotated_blocks(sch)
     if len(blocks) != 1:
@@ -258,7 +375,7 @@ def schedule(func: tirx.PrimFunc, bf16_bits: int) -> tirx.PrimFunc | None:
     if not bf16_bits:
         LOG.warning("bf16 activations without AVX512-BF16: %s runs its reference TE body", kind)
         return None
-    result = _round_kernel(func) if kind == "round" else _matmul_kernel(func)
+    result = _round_kernel(func) if kind == "round" else _matmul_kernel(func, amx)
     if result is None:
         LOG.warning("bf16 rule: unexpected %s function; it runs its reference TE body", kind)
     return result

@@ -25,7 +25,7 @@ from tvm.s_tir.dlight.cpu import Reduction
 from tvm.target import Target
 
 from ...cpu_features import l2_cache_bytes
-from ..target import bf16_dot_bits, int8_dot, vector_bits
+from ..target import amx_bf16, bf16_dot_bits, int8_dot, vector_bits
 from . import bf16, int8, matmul
 
 LOG = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     tuning = gemm_tuning(target)
     rules = [
         ("int8", lambda f: int8.schedule(f, int8_dot(target))),  # int8 activations
-        ("bf16", lambda f: bf16.schedule(f, bf16_dot_bits(target))),  # bf16 (AVX512-BF16)
+        ("bf16", lambda f: bf16.schedule(f, bf16_dot_bits(target), amx_bf16(target))),
         ("matmul", lambda f: matmul.schedule(f, bits, tuning)),
         ("reduction", lambda f: schedule_reduction(f, target)),
         ("injective", lambda f: schedule_injective(f, max(bits // 32, 1))),

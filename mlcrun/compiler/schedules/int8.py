@@ -320,12 +320,14 @@ class PanelLoops:
         """The panel PREFETCH_TILES tiles after panel p0 + j, clamped to the last whole one."""
         return tirx.min(p0 + j + PREFETCH_TILES * self.np, _c(self.panels - 1))
 
-    def row_tiles(self, rows, p0, npn: int) -> None:
-        """All rows against panels p0 .. p0+npn-1: MR at a time, then the remainder."""
-        with T.serial(_c(0), rows // MR) as mo:
-            self.micro(mo * MR, MR, p0, npn)
+    def row_tiles(self, rows, p0, npn: int, start=None) -> None:
+        """Rows start (default 0) .. rows-1 against panels p0 .. p0+npn-1: MR at a time, then
+        the remainder."""
+        count = rows if start is None else rows - start
+        with T.serial(_c(0), count // MR) as mo:
+            self.micro(mo * MR if start is None else start + mo * MR, MR, p0, npn)
         for rem in range(1, MR):
-            with T.If(rows % MR == rem):
+            with T.If(count % MR == rem):
                 with T.Then():
                     self.micro(rows - rem, rem, p0, npn)
 
