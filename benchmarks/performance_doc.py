@@ -283,11 +283,26 @@ def _gap_ngram(spec: dict, cases: list[dict]) -> str:
     costs = "; ".join(
         c for c in (_step_cost(spec, x["model"], x["mode"], "grounded", target) for x in cases) if c
     )
+    ceilings = {
+        MODEL_NAMES[m]: c
+        for m in dict.fromkeys(x["model"] for x in cases)
+        if (c := (_row(spec, m, "plain").get("grounded") or {}).get("lookup_ceiling"))
+    }
+    ceiling = ""
+    if ceilings:
+        ceiling = (
+            " The most prompt lookup could yield on these answers: a drafter that always "
+            "copied the earlier occurrence of the pending token whose continuation the model "
+            f"then generates (drafts of up to {spec['lookup_ceiling_draft']} tokens; every "
+            "longer n-gram match is among these) would make "
+            + ", ".join(f"{c:.2f} ({name})" for name, c in ceilings.items())
+            + " tokens per forward of plain decoding's answers."
+        )
     return (
         f"End to end ({costs}). A step's cost is the verify's kernels (see the cost of a "
         "K-token step above), the lookup and the acceptance bookkeeping in Python; its yield "
         "is what prompt lookup finds on these prompts, and the adaptive length backs off where "
-        "drafts keep failing."
+        f"drafts keep failing.{ceiling}"
     )
 
 
@@ -618,7 +633,7 @@ def targets_section(doc: dict) -> list[str]:
 
 
 def bf16_amx_note(flags: list[str] | None) -> str:
-    """Why torch's bf16 prefill can be ahead: AMX, which mlcrun does not use."""
+    """Why torch's bf16 prefill can be ahead: AMX, and whether mlcrun could use it."""
     if flags is not None and "amx_bf16" not in flags:
         return (
             " This CPU has no AMX (`amx_bf16` is not among its flags): oneDNN's AVX512-BF16"
@@ -632,8 +647,9 @@ def bf16_amx_note(flags: list[str] | None) -> str:
     return (
         " Where torch is ahead, it is AMX: torch's bf16 matmuls run in oneDNN, which uses AMX"
         " tiles (`tdpbf16ps`: a 16x32 by 32x16 bf16 product per instruction) on CPUs that have"
-        " them and grant a process the tile state (Intel Xeon since Sapphire Rapids), while"
-        " mlcrun compiles with AMX off and multiplies bf16 with AVX512-BF16's `vdpbf16ps`. "
+        " them and grant a process the tile state (Intel Xeon since Sapphire Rapids); mlcrun"
+        " multiplies in AMX tiles only where its compile was granted that state (and"
+        " `MLCRUN_AMX` is not 0), else with AVX512-BF16's `vdpbf16ps`. "
         f"{cpu}"
     )
 

@@ -62,6 +62,9 @@ DRAFT_QUANTIZATION = "q4f16_1+q8f32"
 LOOKUP_TOKENS = 10  # llama.cpp's num_pred_tokens, transformers' prompt_lookup_num_tokens
 LOOKUP_NGRAM = 2  # both libraries' default max n-gram size
 KINDS = ("grounded", "open")
+# The prompt-lookup ceiling (lookup_ceiling) drafts at most this many tokens a step: mlcrun's
+# default spec_max_draft_length.
+LOOKUP_CEILING_DRAFT = 8
 MODELS = ("q4", "f32")
 ENGINES = ("mlcrun", "llama.cpp", "transformers")
 
@@ -736,6 +739,36 @@ def kind_stats(sample: dict, prompts: list[dict], kind: str) -> dict:
     return out
 
 
+def lookup_ceiling(prompt: list[int], output: list[int], max_draft: int) -> int:
+    """Forwards an oracle prompt-lookup drafter needs to produce `output` after its first
+    token: at each step it drafts, of the continuations of every earlier occurrence of the
+    pending token, the one that agrees longest with what follows in `output` (up to
+    max_draft tokens, copied from the tokens seen so far). Every longer n-gram match is
+    one of these occurrences, so no drafter that copies from the history needs fewer."""
+    seq = [*prompt, *output]
+    seen: dict[int, list[int]] = {}  # token -> its positions in the history
+    for i, token in enumerate(prompt):
+        seen.setdefault(token, []).append(i)
+    p, forwards = len(prompt), 0  # seq[p]: the pending token (sampled, not yet fed)
+    while p < len(seq) - 1:
+        best = 0
+        for s in seen.get(seq[p], ()):
+            n = 0
+            while (
+                n < max_draft
+                and s + 1 + n <= p
+                and p + 1 + n < len(seq)
+                and seq[s + 1 + n] == seq[p + 1 + n]
+            ):
+                n += 1
+            best = max(best, n)
+        for i in range(p, p + 1 + best):  # fed this step: now part of the history
+            seen.setdefault(seq[i], []).append(i)
+        p += 1 + best
+        forwards += 1
+    return forwards
+
+
 def summarize(variants: list[Variant], prompts: list[dict]) -> list[dict]:
     ok = {v.key: [s for s in v.samples if "error" not in s] for v in variants}
     by = {(v.engine, v.model, v.mode): v for v in variants}
@@ -786,6 +819,15 @@ def summarize(variants: list[Variant], prompts: list[dict]) -> list[dict]:
                     for i, p in enumerate(prompts)
                     if p["kind"] == kind
                 }
+            if v.engine == "mlcrun" and v.mode == "plain" and samples:
+                answers = [
+                    (p["ids"], r["tokens"])
+                    for p, r in zip(prompts, samples[0]["prompts"])
+                    if p["kind"] == kind
+                ]
+                stats["lookup_ceiling"] = sum(len(out) - 1 for _, out in answers) / sum(
+                    lookup_ceiling(ids, out, LOOKUP_CEILING_DRAFT) for ids, out in answers
+                )
             row[kind] = stats
         row["tokens_match"] = {}
         for name, ref in (("same engine plain", plain), ("mlcrun plain", reference)):
@@ -1046,6 +1088,7 @@ def write_report(raw: dict, out_json: Path) -> None:
             for p in prompts
         ],
         "eos_token_ids": eos,
+        "lookup_ceiling_draft": LOOKUP_CEILING_DRAFT,
         "first_eos": first_eos(rows, variants, eos),
         "warmups": raw["warmups"],
         "targets": targets,
