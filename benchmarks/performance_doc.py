@@ -298,6 +298,20 @@ def _gap_ngram(spec: dict, cases: list[dict]) -> str:
             + ", ".join(f"{c:.2f} ({name})" for name, c in ceilings.items())
             + " tokens per forward of plain decoding's answers."
         )
+        beyond = []
+        for x in cases:
+            k = _row(spec, x["model"], x["mode"]).get("grounded") or {}
+            c = ceilings.get(MODEL_NAMES[x["model"]])
+            if c and k.get("speedup") and k.get("tokens_per_forward"):
+                needed = target * k["tokens_per_forward"] / k["speedup"]
+                if needed > c:
+                    beyond.append(f"{MODEL_NAMES[x['model']]} {x['mode']} ({needed:.2f} > {c:.2f})")
+        if beyond:
+            ceiling += (
+                f" Where {target}x takes more tokens per forward than that at the measured step "
+                f"cost ({', '.join(beyond)}), no prompt-lookup drafter reaches it on these "
+                "prompts: only cheaper verify steps can."
+            )
     return (
         f"End to end ({costs}). A step's cost is the verify's kernels (see the cost of a "
         "K-token step above), the lookup and the acceptance bookkeeping in Python; its yield "
