@@ -262,6 +262,12 @@ def _row(spec: dict, model: str, mode: str) -> dict:
     )
 
 
+def _needed_tpf(k: dict, target: float) -> float:
+    """Tokens per forward a `target` speedup takes at the step cost the run measured (tokens
+    per forward over the speedup, end to end)."""
+    return target * k["tokens_per_forward"] / k["speedup"]
+
+
 def _step_cost(spec: dict, model: str, mode: str, kind: str, target: float) -> str:
     """What one speculative step cost against a plain step, end to end (tokens per forward
     over the speedup), and what a `target` speedup would take: the tokens per forward at that
@@ -273,7 +279,7 @@ def _step_cost(spec: dict, model: str, mode: str, kind: str, target: float) -> s
     return (
         f"{MODEL_NAMES[model]} {mode}: {tpf:.2f} tokens per forward at acceptance "
         f"{k['acceptance_rate']:.2f}, each step {cost:.2f}x a plain step; "
-        f"{target}x would take {target * cost:.2f} tokens per forward at that cost, "
+        f"{target}x would take {_needed_tpf(k, target):.2f} tokens per forward at that cost, "
         f"or steps of {tpf / target:.2f}x a plain step at that yield"
     )
 
@@ -303,7 +309,7 @@ def _gap_ngram(spec: dict, cases: list[dict]) -> str:
             k = _row(spec, x["model"], x["mode"]).get("grounded") or {}
             c = ceilings.get(MODEL_NAMES[x["model"]])
             if c and k.get("speedup") and k.get("tokens_per_forward"):
-                needed = target * k["tokens_per_forward"] / k["speedup"]
+                needed = _needed_tpf(k, target)
                 if needed > c:
                     beyond.append(f"{MODEL_NAMES[x['model']]} {x['mode']} ({needed:.2f} > {c:.2f})")
         if beyond:

@@ -62,9 +62,6 @@ DRAFT_QUANTIZATION = "q4f16_1+q8f32"
 LOOKUP_TOKENS = 10  # llama.cpp's num_pred_tokens, transformers' prompt_lookup_num_tokens
 LOOKUP_NGRAM = 2  # both libraries' default max n-gram size
 KINDS = ("grounded", "open")
-# The prompt-lookup ceiling (lookup_ceiling) drafts at most this many tokens a step: mlcrun's
-# default spec_max_draft_length.
-LOOKUP_CEILING_DRAFT = 8
 MODELS = ("q4", "f32")
 ENGINES = ("mlcrun", "llama.cpp", "transformers")
 
@@ -769,6 +766,13 @@ def lookup_ceiling(prompt: list[int], output: list[int], max_draft: int) -> int:
     return forwards
 
 
+def _max_draft() -> int:
+    """The prompt-lookup ceiling's longest draft: mlcrun's default spec_max_draft_length."""
+    from mlcrun.engine.config import EngineConfig
+
+    return EngineConfig.spec_max_draft_length
+
+
 def summarize(variants: list[Variant], prompts: list[dict]) -> list[dict]:
     ok = {v.key: [s for s in v.samples if "error" not in s] for v in variants}
     by = {(v.engine, v.model, v.mode): v for v in variants}
@@ -826,7 +830,7 @@ def summarize(variants: list[Variant], prompts: list[dict]) -> list[dict]:
                     if p["kind"] == kind
                 ]
                 stats["lookup_ceiling"] = sum(len(out) - 1 for _, out in answers) / sum(
-                    lookup_ceiling(ids, out, LOOKUP_CEILING_DRAFT) for ids, out in answers
+                    lookup_ceiling(ids, out, _max_draft()) for ids, out in answers
                 )
             row[kind] = stats
         row["tokens_match"] = {}
@@ -1088,7 +1092,7 @@ def write_report(raw: dict, out_json: Path) -> None:
             for p in prompts
         ],
         "eos_token_ids": eos,
-        "lookup_ceiling_draft": LOOKUP_CEILING_DRAFT,
+        "lookup_ceiling_draft": _max_draft(),
         "first_eos": first_eos(rows, variants, eos),
         "warmups": raw["warmups"],
         "targets": targets,

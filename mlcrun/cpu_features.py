@@ -69,10 +69,7 @@ def required_flags(target: str) -> set[str]:
 
 def uses_amx(target: str) -> bool:
     """Whether an llvm target string switches AMX on (its library then has AMX kernels)."""
-    try:
-        return "+amx-tile" in json.loads(target).get("mattr", [])
-    except (ValueError, AttributeError):
-        return False
+    return AMX_FEATURES["amx-tile"] in required_flags(target)
 
 
 @functools.cache

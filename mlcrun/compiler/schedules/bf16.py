@@ -311,11 +311,7 @@ class _MatmulKernel(PanelLoops):
                         T.buffer_store(self.out, value, [*lead, col + lane])
         with T.If(done < rows):
             with T.Then():
-                tiles = self.panels // self.np
-                with T.parallel(_c(0), _c(tiles)) as t:
-                    self.row_tiles(rows, t * self.np, self.np, start=done)
-                for p in range(tiles * self.np, self.panels):
-                    self.row_tiles(rows, _c(p), 1, start=done)
+                self.panel_tiles(rows, start=done)
         if self.panels % 2:
             self.row_tiles(done, _c(self.panels - 1), 1)
         if self.tail:
@@ -327,14 +323,14 @@ class _MatmulKernel(PanelLoops):
             with T.prim_func():
                 self.af, self.wf = _flat(self.acts), _flat(self.weight)
                 with _with_wrappers(self.amx):
-                    if self.amx:
+                    if not self.amx:
+                        self.panel_loops(rows)
+                    else:
                         with T.If(rows >= AMX_MIN_ROWS):
                             with T.Then():
                                 self.amx_loops(rows)
                             with T.Else():
                                 self.panel_loops(rows)
-                    else:
-                        self.panel_loops(rows)
         return ib.get().body
 
 

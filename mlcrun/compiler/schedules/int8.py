@@ -331,13 +331,18 @@ class PanelLoops:
                 with T.Then():
                     self.micro(rows - rem, rem, p0, npn)
 
-    def panel_loops(self, rows) -> None:
+    def panel_tiles(self, rows, start=None) -> None:
+        """Rows start (default 0) .. rows-1 against every whole panel: tiles of np panels in
+        parallel, then the panels left over one at a time."""
         tiles = self.panels // self.np
         if tiles:
             with T.parallel(_c(0), _c(tiles)) as t:
-                self.row_tiles(rows, t * self.np, self.np)
+                self.row_tiles(rows, t * self.np, self.np, start)
         for p in range(tiles * self.np, self.panels):  # fewer than np panels left
-            self.row_tiles(rows, _c(p), 1)
+            self.row_tiles(rows, _c(p), 1, start)
+
+    def panel_loops(self, rows) -> None:
+        self.panel_tiles(rows)
         if self.tail:
             self.tail_outputs(rows)
 
