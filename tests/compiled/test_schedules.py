@@ -21,7 +21,6 @@ from mlcrun.compiler.schedules import cpu as cpu_schedules  # noqa: E402
 from mlcrun.compiler.schedules.matmul import (  # noqa: E402
     BATCH_MAX_ROWS,
     DEFAULT_L2_BYTES,
-    FLOAT_ROWS_VARIANTS,
     GEMM_MIN_ROWS,
     ROWS_VARIANTS,
     GemmTuning,
@@ -143,13 +142,14 @@ def test_gemv_tunings_match_numpy(monkeypatch, stream_w: bool) -> None:
     tuning = GemmTuning(stream_w=stream_w)
     monkeypatch.setattr(cpu_schedules, "gemm_tuning", lambda target: tuning)
     # Prefetches per K step at N = 36, K = 1040 (chunks of 4 columns). Either way the batch
-    # variant's 1 (one W row per row tile; a float W takes it from 3 rows). Without: 1 in
-    # the small-M variant (MR = 2). Zen 4: the whole next tile there (NR = 4, with 16 lanes
-    # and with AVX2's 8) and in the long-K GEMV the tile GEMV_PREFETCH_TILES ahead (NR = 4).
-    assert FLOAT_ROWS_VARIANTS == (2,)
+    # variant's 1 (one W row per row tile) and, in each small-M variant, the whole next tile
+    # (NR rows: 4 for MR = 2, 2 for MR = 4 and 7, whose accumulators allow fewer columns;
+    # the same with 16 lanes and with AVX2's 8). Zen 4 adds, in the long-K GEMV, the tile
+    # GEMV_PREFETCH_TILES ahead (NR = 4).
+    assert ROWS_VARIANTS == (2, 4, 7)
     (func,) = _scheduled_prim_funcs(_module(36, 1040, "float32", "none")).values()
     prefetches = func.script().count("llvm.prefetch")
-    assert prefetches == (1 + 4 + 4 if stream_w else 1 + len(FLOAT_ROWS_VARIANTS))
+    assert prefetches == 1 + 4 + 2 + 2 + (4 if stream_w else 0)
     _check_fp32_residual_matmuls([(30, 40), (200, 72), (36, 1040), (30, 1028)], (1, 2, 5, 17))
 
 
@@ -172,8 +172,8 @@ def test_gemm_tunings_match_numpy(monkeypatch, tuning: GemmTuning) -> None:
 )
 def test_small_m_matches_numpy(n: int, k: int, dtype: str, epilogue: str) -> None:
     """Every M from 1 to GEMM_MIN_ROWS: the GEMV, each small-M variant at its MR and below
-    (A padded to MR rows), for a float32 W the batch variant from 3 rows, the first GEMM
-    size, on shapes no tile divides evenly."""
+    (A padded to MR rows), from GEMM_MIN_ROWS the batch variant (float32 W) or the GEMM, on
+    shapes no tile divides evenly."""
     assert max(ROWS_VARIANTS) == GEMM_MIN_ROWS - 1
     vm = _vm(_module(n, k, dtype, epilogue))
     w = RNG.standard_normal((n, k)).astype(dtype)

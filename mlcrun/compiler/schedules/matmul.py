@@ -18,30 +18,31 @@ the same kernel serves decode, verification and prefill, in three kinds of varia
   MR = 2, 4 or 7 rows (`ROWS_VARIANTS`, the smallest that covers M; A is padded to MR rows)
   and NR columns (MR*NR accumulators under 1 KiB, see `GEMM_MR`). The rows loop innermost
   of [chunk, column tile, row tile], so each W tile is loaded, and for a quantized W
-  unpacked, once for all rows; a GEMV over the same M would unpack it once per row. A float
-  W keeps only MR = 2 (`FLOAT_ROWS_VARIANTS`) and takes the batch variant from 3 rows: its
-  2-row tiles re-read a W tile from L1, where one 7-row tile (NR = 2) kept few rows per W
-  load and padded 5 rows to 7. SmolLM2 F32 at depth 256, 2 threads, Intel Xeon (`mlcrun
-  bench --mode kernel -k 2,3,4,6`, interleaved runs): a verify of 4, 5 and 7 tokens went
-  from 1.34-1.39x, 1.52-1.55x and 1.60-1.67x a decode step to 1.24-1.30x, 1.24-1.29x and
-  1.22-1.27x.
-* Batch (a float W, 3 <= M < `BATCH_MAX_ROWS`: a verify, batched decode of up to 31
-  sequences): the small-M loop nest with several row tiles of `BATCH_MR` rows inside each
-  column tile, so a W tile (NR rows, a few KiB) comes from memory once and from L1 for the
-  other row tiles. At these M the step reads all of W once and does ~M FLOPs per weight
-  byte, so the weight stream and the arithmetic take about as long (Qwen2.5-0.5B's F32
-  weights at 16 rows, two cores: ~62 ms of reading, ~56 ms of FMAs); what decides the speed
-  is overlapping them. The GEMM variant did not: it streams an L2 chunk from memory for its
-  first row tile, then computes, and the hardware prefetchers do not cross into the next
-  tile's rows (they start 4 KiB pages apart). Here every K step of a row tile also
-  prefetches one cache line of the next column tile (`_prefetch_next_tile`), so the next W
-  tile arrives while this one computes. Qwen2.5-0.5B shape, F32, `mlcrun bench --mode kernel
-  -b 8,16`, two threads, Intel Xeon: 8 sequences 62-64 -> 82-88 tok/s, 16 sequences 93-101
-  -> 110-124 (prefetch alone: +15-23% of that). The small-M variants (one row tile)
-  prefetch the next tile's first row the same way; on Zen 4 all its rows
-  (`ROWS_PREFETCH_TILES`).
-  A quantized W keeps the GEMM from GEMM_MIN_ROWS: re-reading it per row tile would unpack it
-  again each time.
+  unpacked, once for all rows; a GEMV over the same M would unpack it once per row. A W
+  streamed as stored (float32; a 16-bit float W on AMD Zen) has each K step touch the same
+  cache line of every W row of the next column tile (`ROWS_PREFETCH_TILES`): the tile's
+  rows are NR streams a row apart that the hardware prefetchers do not follow far enough
+  ahead. At these M the step is still bound by reading W (a few FLOPs per weight byte), so
+  the rows' arithmetic hides behind the prefetched stream. SmolLM2's F32 layers and
+  lm_head, distinct weights per layer (538 MB), 2 threads, Intel Xeon (`schedule_micro.py`'s
+  shapes, M rows against M = 1): M = 2, 3, 4, 5 took 1.15x, 1.25x, 1.26x, 1.23x with the
+  first W row of the next tile prefetched and the batch variant from 3 rows, 1.02x, 1.04x,
+  1.06x, 1.16x with the whole tile prefetched and these variants (with a variant for each M
+  up to 7: within 0.03x of that, with 5 more kernels to compile per matmul).
+* Batch (a float W, `ROWS_VARIANTS[-1]` < M < `BATCH_MAX_ROWS`: a long verify, batched
+  decode of up to 31 sequences): the small-M loop nest with several row tiles of `BATCH_MR`
+  rows inside each column tile, so a W tile (NR rows, a few KiB) comes from memory once and
+  from L1 for the other row tiles. At these M the step reads all of W once and does ~M FLOPs
+  per weight byte, so the weight stream and the arithmetic take about as long
+  (Qwen2.5-0.5B's F32 weights at 16 rows, two cores: ~62 ms of reading, ~56 ms of FMAs);
+  what decides the speed is overlapping them. The GEMM variant did not: it streams an L2
+  chunk from memory for its first row tile, then computes, and the hardware prefetchers do
+  not cross into the next tile's rows (they start 4 KiB pages apart). Here every K step of a
+  row tile also prefetches one cache line of the next column tile (`_prefetch_next_tile`),
+  so the next W tile arrives while this one computes. Qwen2.5-0.5B shape, F32, `mlcrun bench
+  --mode kernel -b 8,16`, two threads, Intel Xeon: 8 sequences 62-64 -> 82-88 tok/s, 16
+  sequences 93-101 -> 110-124 (prefetch alone: +15-23% of that). A quantized W keeps the
+  GEMM from GEMM_MIN_ROWS: re-reading it per row tile would unpack it again each time.
 * GEMM (M >= `BATCH_MAX_ROWS`, or `GEMM_MIN_ROWS` for a quantized W: prefill, large decode
   batches): MR = 3 rows share each W
   vector. A symbolic M is padded to a multiple of MR with `pad_einsum` (a copy of A, ~1/N of
@@ -109,7 +110,6 @@ GEMM_MR_LONG_K = 6
 LONG_K_LANES = 8  # 6 x 4 x 8 lanes x 4 B = 768 B of accumulators (16 lanes: a workspace)
 GEMM_MIN_ROWS = 8  # the GEMM variant wins from ~7 rows (measured on 3072x576 weights)
 ROWS_VARIANTS = (2, 4, 7)  # MR of the small-M variants: each serves M up to its MR
-FLOAT_ROWS_VARIANTS = (2,)  # a float W: the batch variant from 3 rows (see "Batch")
 BATCH_MR = 2  # rows per tile of the batch variant (fp32 W, 3 <= M < BATCH_MAX_ROWS)
 BATCH_MAX_ROWS = 32  # from here the GEMM's L2 chunks pay (see "Batch" in the module doc)
 PREFETCH_LOCALITY = 2  # llvm.prefetch locality of the row variants' W prefetch (prefetcht1)
@@ -126,7 +126,8 @@ GEMV_PREFETCH_TILES = 2
 # The small-M variants have one row tile, so the batch variant's prefetch (one W row of the
 # next tile per row tile) fetched only the first of its NR rows. On Zen 4 all NR rows, one
 # tile ahead: SmolLM2's 30 layers + lm_head, 2 threads, M = 2: 25.7 -> 19.8 ms, M = 4:
-# 29.0 -> 20.1 ms (M = 1: 17.0; so a 4-token step 1.18x a 1-token one).
+# 29.0 -> 20.1 ms (M = 1: 17.0; so a 4-token step 1.18x a 1-token one). The same on an Intel
+# Xeon for a float32 W (module doc, "Small M"); 2 or 3 tiles ahead measured the same there.
 ROWS_PREFETCH_TILES = 1
 DEFAULT_L2_BYTES = 1024 * 1024  # a core's L2 where the machine does not say (Zen 4: 1 MiB)
 GEMM_MIN_CHUNKS = 8  # a GEMM with a dequantized W runs one task per chunk: keep some
@@ -637,11 +638,12 @@ def _chain(variants: list) -> tirx.Stmt:
 def _small_m_config(
     info: MatmulInfo, vector_bits: int, mr: int, nb: int | None, tuning: GemmTuning, w_bits: int
 ) -> TileConfig:
-    """A small-M variant: one row tile of `mr` rows. On Zen 4 a float W's next column tile is
-    prefetched whole (all NR rows) during this one (ROWS_PREFETCH_TILES); the batch variant's
-    row tiles share that prefetch out instead, one W row each."""
+    """A small-M variant: one row tile of `mr` rows. A float32 W's next column tile (a 16-bit
+    float W's on AMD Zen) is prefetched whole (all NR rows) during this one
+    (ROWS_PREFETCH_TILES); the batch variant's row tiles share that prefetch out instead, one
+    W row each."""
     cfg = tile_config(info, vector_bits, "rows", mr, nb=nb)
-    if tuning.streams(w_bits):
+    if w_bits == 32 or tuning.streams(w_bits):
         cfg = replace(cfg, prefetch_tiles=ROWS_PREFETCH_TILES)
     return cfg
 
@@ -664,22 +666,21 @@ def schedule(
     # the loads (q0f16, q0bf16); 0 for packed codes
     streamed = info.w_bits if batch else 16 if _same_shape_source(sch, deq, info) is not None else 0
     gemm_rows = BATCH_MAX_ROWS if batch else GEMM_MIN_ROWS
-    variants = FLOAT_ROWS_VARIANTS if batch else ROWS_VARIANTS
     if isinstance(info.rows, tirx.IntImm):
         m = info.rows.value
         if m >= gemm_rows:
             cfg = tile_config(info, vector_bits, "gemm", tuning=tuning)
-        elif m > variants[-1]:
+        elif m > ROWS_VARIANTS[-1]:
             cfg = tile_config(info, vector_bits, "rows", BATCH_MR)
         elif m == 1:
             cfg = tile_config(info, vector_bits, "gemv", tuning=tuning, streamed_bits=streamed)
         else:
-            mr = next(r for r in variants if r >= m)
+            mr = next(r for r in ROWS_VARIANTS if r >= m)
             cfg = _small_m_config(info, vector_bits, mr, None, tuning, streamed)
         return schedule_matmul(func, info, cfg)
     gemv = tile_config(info, vector_bits, "gemv", tuning=tuning, streamed_bits=streamed)
     small = [(2, schedule_matmul(func, info, gemv))]
-    for mr in variants:
+    for mr in ROWS_VARIANTS:
         cfg = _small_m_config(info, vector_bits, mr, gemv.nb, tuning, streamed)
         small.append((mr + 1, schedule_matmul(func, info, cfg)))
     if batch:
