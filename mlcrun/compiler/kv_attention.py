@@ -46,6 +46,12 @@ loaded as stored (float32 or float16) and widened. Two shapes of work:
   (float32; 28 and 32 rows: 1.0x and 0.87x) or 6 rows (float16: half the bytes; 8 and 9 rows
   lose 5%, 12 rows 20%) the tiles stay. Both kinds of task share one parallel loop, the
   short ones first.
+* Few new tokens among themselves (`prefill_ragged_attention` of a call with at most
+  RAGGED_SHORT tokens and keys in all: a verify's ragged part): row by row on the calling
+  thread, each (token, head) row over the few keys it sees (a 16-lane product per key summed
+  by a rotation tree, the softmax, the weighted values). The tiles below would pad those keys
+  to a chunk of 16 and copy it for every 16 rows, and a thread-pool launch costs more than
+  the work (SmolLM2, 2 threads, a 2-token verify's ragged call: 3.8 -> 0.6 us per layer).
 * Row tiles (prefill over the chunk itself or of a long chunk over cached pages, and both tree
   kernels): a task is a tile of 16 query rows that read the same keys (consecutive (token,
   head) rows of one sequence and one KV head: with GQA a tile spans a few tokens times the
@@ -145,6 +151,11 @@ MIN_SPLIT_PAGES = 4  # pages per split chunk: at least 4 (64 keys)
 # float32 pages 24 rows win, 28 and 32 lose; float16 pages (half the bytes, so the tiles' compute
 # matters more) 6 rows win, 8 and 9 lose.
 SHORT_ROWS = {"float32": 24, "float16": 6}
+# A ragged call of at most RAGGED_SHORT new tokens and keys in all (a verify of a few tokens)
+# runs row by row on the calling thread (`_short_ragged`), and a merge of at most MERGE_SERIAL
+# rows too: a thread-pool launch and 16-row tiles cost more than such work.
+RAGGED_SHORT = 12
+MERGE_SERIAL = 8
 
 
 @T.macro
@@ -791,12 +802,79 @@ def _tree_visible(tree, tree_begin, tree_start, kv_n):
     return visible
 
 
+@T.macro
+def _sum_stage(hx, rotation):
+    """hx row 0 = its lane-wise sum with itself rotated (four stages: every lane the sum)."""
+    hx[0, T.ramp(0, 1, LANES)] = hx[0, T.ramp(0, 1, LANES)] + T.Shuffle(
+        [hx[0, T.ramp(0, 1, LANES)], hx[0, T.ramp(0, 1, LANES)]], rotation
+    )
+
+
+def _short_ragged(H_qo: int, G: int, D: int):
+    """Every row of a ragged call with few tokens, one after another on the calling thread:
+    per (token, head) row its visible keys' scores (a 16-lane product over the head dimension,
+    summed by a rotation tree), their softmax and the weighted sum of their values. A verify
+    of a few tokens sees a few keys here, which the 16-row tiles would pad to a whole chunk
+    (and copy, as a chunk past the end of the keys) for each of 16 rows."""
+    rotate = {step: [(j + step) % LANES for j in range(LANES)] for step in (8, 4, 2, 1)}
+
+    @T.macro
+    def rows(q, k, v, output, lse, q_indptr, kv_indptr, batch_size, causal, sm_scale):
+        qv = T.sblock_alloc_buffer((D,), "float32")
+        acc = T.sblock_alloc_buffer((D,), "float32")
+        sc = T.sblock_alloc_buffer((RAGGED_SHORT,), "float32")
+        hx = T.sblock_alloc_buffer((1, LANES), "float32")
+        st = T.sblock_alloc_buffer((2,), "float32")  # running max, then the sum
+        for b in T.serial(batch_size):
+            q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+            kv_n: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
+            for tok in T.serial(q_n):
+                lim: T.let[T.int32] = T.max(T.min(_causal_lim(causal, kv_n, q_n)(tok), kv_n), 0)
+                for h in T.serial(H_qo):
+                    row: T.let[T.int32] = q_indptr[b] + tok
+                    key: T.let[T.int32] = kv_indptr[b]
+                    for d in T.vectorized(D):
+                        qv[d] = q[row, h, d].astype("float32") * (sm_scale * LOG2E)
+                    st[0] = T.float32(EMPTY)
+                    for j in T.serial(lim):
+                        for x in T.vectorized(LANES):
+                            hx[0, x] = qv[x] * k[key + j, h // G, x].astype("float32")
+                        for d0 in T.unroll(D // LANES - 1):
+                            for x in T.vectorized(LANES):
+                                hx[0, x] = hx[0, x] + qv[(d0 + 1) * LANES + x] * k[
+                                    key + j, h // G, (d0 + 1) * LANES + x
+                                ].astype("float32")
+                        _sum_stage(hx, rotate[8])
+                        _sum_stage(hx, rotate[4])
+                        _sum_stage(hx, rotate[2])
+                        _sum_stage(hx, rotate[1])
+                        sc[j] = hx[0, 0]
+                        st[0] = T.max(st[0], hx[0, 0])
+                    st[1] = T.float32(0)
+                    for d in T.vectorized(D):
+                        acc[d] = T.float32(0)
+                    for j in T.serial(lim):
+                        sc[j] = exp2_nonpositive(sc[j] - st[0])
+                        st[1] = st[1] + sc[j]
+                        for d in T.vectorized(D):
+                            acc[d] = acc[d] + sc[j] * v[key + j, h // G, d].astype("float32")
+                    for d in T.vectorized(D):
+                        output[row, h, d] = T.if_then_else(
+                            st[1] > 0, acc[d] / st[1], T.float32(0)
+                        ).astype(output.dtype)
+                    lse[row, h] = T.if_then_else(st[1] > 0, st[0] + T.log2(st[1]), T.float32(EMPTY))
+
+    return rows
+
+
 def prefill_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
     """The new tokens of each sequence attend to each other (causal or not) from the chunk's
-    contiguous K/V; tiles of 16 rows."""
+    contiguous K/V; tiles of 16 rows, or row by row where the call has few tokens and keys
+    (RAGGED_SHORT)."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     G = H_qo // H_kv
     tile = _row_tile(D, G, dtype)
+    short_rows = _short_ragged(H_qo, G, D)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_ragged_kv(
@@ -842,47 +920,54 @@ def prefill_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
         lse = T.match_buffer(var_lse, (qo_len, H_qo), "float32")
         assert rotary_mode == 0, "mlcrun's prefill attention expects RoPE already applied"
 
-        for task in T.parallel(_tile_count(qo_len, batch_size, G) * H_kv):
-            with T.sblock("attn"):
+        short: T.let[T.bool] = T.And(qo_len <= RAGGED_SHORT, kv_len <= RAGGED_SHORT)
+        if short:
+            with T.sblock("short"):
                 T.reads()
                 T.writes()
-                where = T.sblock_alloc_buffer((3,), "int32")
-                _find_tile(
-                    where,
-                    q_indptr,
-                    batch_size,
-                    _balanced(task // H_kv, _tile_count(qo_len, batch_size, G)),
-                    G,
-                    0,
-                )
-                if where[0] >= 0:
-                    b: T.let[T.int32] = where[0]
-                    t: T.let[T.int32] = where[1]
-                    hk: T.let[T.int32] = task % H_kv
-                    q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-                    kv_n: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
-                    kv_begin: T.let[T.int32] = kv_indptr[b]
-                    tile(
-                        q,
-                        output,
-                        lse,
-                        sm_scale,
-                        q_indptr[b],
-                        q_n,
-                        t,
-                        hk,
-                        kv_n,
-                        _causal_lim(causal, kv_n, q_n)(
-                            (T.min(t * LANES + LANES, q_n * G) - 1) // G
-                        ),
-                        _causal_lim(causal, kv_n, q_n),
-                        _no_order,
-                        _lim_visible,
-                        k,
-                        v,
-                        lambda which, c, cc, d: (kv_begin + c * KEYS + cc, hk, d),
-                        None,
+                short_rows(q, k, v, output, lse, q_indptr, kv_indptr, batch_size, causal, sm_scale)
+        else:
+            for task in T.parallel(_tile_count(qo_len, batch_size, G) * H_kv):
+                with T.sblock("attn"):
+                    T.reads()
+                    T.writes()
+                    where = T.sblock_alloc_buffer((3,), "int32")
+                    _find_tile(
+                        where,
+                        q_indptr,
+                        batch_size,
+                        _balanced(task // H_kv, _tile_count(qo_len, batch_size, G)),
+                        G,
+                        0,
                     )
+                    if where[0] >= 0:
+                        b: T.let[T.int32] = where[0]
+                        t: T.let[T.int32] = where[1]
+                        hk: T.let[T.int32] = task % H_kv
+                        q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                        kv_n: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
+                        kv_begin: T.let[T.int32] = kv_indptr[b]
+                        tile(
+                            q,
+                            output,
+                            lse,
+                            sm_scale,
+                            q_indptr[b],
+                            q_n,
+                            t,
+                            hk,
+                            kv_n,
+                            _causal_lim(causal, kv_n, q_n)(
+                                (T.min(t * LANES + LANES, q_n * G) - 1) // G
+                            ),
+                            _causal_lim(causal, kv_n, q_n),
+                            _no_order,
+                            _lim_visible,
+                            k,
+                            v,
+                            lambda which, c, cc, d: (kv_begin + c * KEYS + cc, hk, d),
+                            None,
+                        )
 
     return batch_prefill_ragged_kv
 
@@ -1483,8 +1568,29 @@ def tree_paged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dt
 
 def merge_state(num_qo_heads: int, head_dim: int, dtype: str):
     """Merge two partial attention results in place (TVM's `merge_state_inplace_cpu`, same
-    signature): rows in parallel, the head dimension vectorized, float32 math."""
+    signature): rows in parallel (up to MERGE_SERIAL rows on the calling thread), the head
+    dimension vectorized, float32 math."""
     H, D = num_qo_heads, head_dim
+
+    @T.macro
+    def merge_row(V, S, V_other, S_other, n):
+        w = T.sblock_alloc_buffer((2,), "float32")
+        for h in T.serial(H):
+            # weights of the two parts, relative to the larger lse (exact for -5e4)
+            w[0] = T.exp2(S[n, h] - T.max(S[n, h], S_other[n, h]))
+            w[1] = T.exp2(S_other[n, h] - T.max(S[n, h], S_other[n, h]))
+            # A part of weight 0 is left out, not multiplied by 0: a part in which a row saw
+            # no key (TVM's windowed kernels, lse -5e4 below the other) may hold inf or NaN,
+            # and 0 * NaN is NaN.
+            for d in T.vectorized(D):
+                V[n, h, d] = (
+                    (
+                        T.Select(w[0] > 0, V[n, h, d].astype("float32") * w[0], 0.0)
+                        + T.Select(w[1] > 0, V_other[n, h, d].astype("float32") * w[1], 0.0)
+                    )
+                    / (w[0] + w[1])
+                ).astype(dtype)
+            S[n, h] = T.log2(w[0] + w[1]) + T.max(S[n, h], S_other[n, h])
 
     @T.prim_func(s_tir=True)
     def merge_state_inplace_cpu(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
@@ -1494,26 +1600,17 @@ def merge_state(num_qo_heads: int, head_dim: int, dtype: str):
         S = T.match_buffer(s, (N, H), "float32")
         V_other = T.match_buffer(v_other, (N, H, D), dtype)
         S_other = T.match_buffer(s_other, (N, H), "float32")
-        for n in T.parallel(N):
-            with T.sblock("merge"):
-                T.reads()
-                T.writes()
-                w = T.sblock_alloc_buffer((2,), "float32")
-                for h in T.serial(H):
-                    # weights of the two parts, relative to the larger lse (exact for -5e4)
-                    w[0] = T.exp2(S[n, h] - T.max(S[n, h], S_other[n, h]))
-                    w[1] = T.exp2(S_other[n, h] - T.max(S[n, h], S_other[n, h]))
-                    # A part of weight 0 is left out, not multiplied by 0: a part in which a
-                    # row saw no key (TVM's windowed kernels, lse -5e4 below the other) may
-                    # hold inf or NaN, and 0 * NaN is NaN.
-                    for d in T.vectorized(D):
-                        V[n, h, d] = (
-                            (
-                                T.Select(w[0] > 0, V[n, h, d].astype("float32") * w[0], 0.0)
-                                + T.Select(w[1] > 0, V_other[n, h, d].astype("float32") * w[1], 0.0)
-                            )
-                            / (w[0] + w[1])
-                        ).astype(dtype)
-                    S[n, h] = T.log2(w[0] + w[1]) + T.max(S[n, h], S_other[n, h])
+        if N <= MERGE_SERIAL:
+            for n in T.serial(N):
+                with T.sblock("merge_row"):
+                    T.reads()
+                    T.writes()
+                    merge_row(V, S, V_other, S_other, n)
+        else:
+            for n in T.parallel(N):
+                with T.sblock("merge"):
+                    T.reads()
+                    T.writes()
+                    merge_row(V, S, V_other, S_other, n)
 
     return merge_state_inplace_cpu

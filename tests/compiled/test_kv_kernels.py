@@ -195,12 +195,17 @@ def test_decode_split(shape, dtype, lens):
     _check_decode(shape, dtype, lens)
 
 
+# Tokens per sequence of a ragged call: 16-row tiles, and few tokens in all (at most
+# RAGGED_SHORT: row by row on the calling thread), up to exactly that many.
+RAGGED_LENS = {"tiles": [5, 1, 33, 16, 18], "short": [3, 1, 5], "short-limit": [A.RAGGED_SHORT]}
+
+
+@pytest.mark.parametrize("lens", RAGGED_LENS.values(), ids=RAGGED_LENS.keys())
 @pytest.mark.parametrize("causal", [1, 0])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_prefill_ragged(shape, dtype, causal):
+def test_prefill_ragged(shape, dtype, causal, lens):
     h_qo, h_kv, d = shape
-    lens = [5, 1, 33, 16, 18]
     n = sum(lens)
     q = RNG.standard_normal((n, h_qo, d)).astype(dtype)
     k = RNG.standard_normal((n, h_kv, d)).astype(dtype)
@@ -486,8 +491,9 @@ def test_tree_paged(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_merge_state(dtype):
-    n, h, d = 37, 6, 32
+@pytest.mark.parametrize("n", [37, A.MERGE_SERIAL], ids=["parallel", "serial"])
+def test_merge_state(dtype, n):
+    h, d = 6, 32
     v = RNG.standard_normal((n, h, d)).astype(dtype)
     other = RNG.standard_normal((n, h, d)).astype(dtype)
     s = RNG.uniform(-4, 4, (n, h)).astype(np.float32)
