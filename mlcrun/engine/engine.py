@@ -385,6 +385,11 @@ class Engine:
         clamps them to pages, max_tokens and the context window). Constrained requests decode
         plainly: their grammar would have to be rolled back on rejection."""
         free = [r for r in batch if r.constraint is None and not self._catch_up_too_long(r)]
+        kind = getattr(self.drafter, "kind", None)  # prompt lookup: the match length, or None
+        if kind is not None:  # keyed acceptance (Request.acceptance); no match, no draft
+            for req in free:
+                req.draft_kind = kind(req)
+            free = [r for r in free if r.draft_kind is not None]
         k = self.config.spec_draft_length
         if not k:
             # the others are one-node trees in the same verify: rate 0 yields 1 token each

@@ -27,7 +27,10 @@ class Request:
         self.seq_id: int | None = None  # its KV sequence while running
         self.num_computed = 0  # tokens whose K/V is in the cache
         self.num_draft_computed = 0  # ... in a draft model's cache (speculative decoding)
-        self.acceptance = Acceptance()  # how often its drafts are accepted (adaptive K)
+        # How often its drafts are accepted (adaptive K), per kind of draft: prompt lookup
+        # keeps one per match length, whose drafts differ in how often they hold
+        self.acceptances: dict[object, Acceptance] = {}
+        self.draft_kind: object = None  # the kind of draft it would get this step
         self.order = 0  # admission order; the newest running request is preempted first
         self.fork_from: Request | None = None  # n > 1: siblings fork this request's prompt
         self.constraint: TokenConstraint | None = None  # masks the sampler when set
@@ -35,6 +38,14 @@ class Request:
         self.error: str | None = None  # why it failed (finish_reason "error")
         self.cached_tokens = 0  # prompt tokens forked from the prefix cache
         self.preemptions = 0
+
+    @property
+    def acceptance(self) -> Acceptance:
+        """The running acceptance of this step's kind of draft (`draft_kind`)."""
+        acc = self.acceptances.get(self.draft_kind)
+        if acc is None:
+            acc = self.acceptances[self.draft_kind] = Acceptance()
+        return acc
 
     @property
     def output(self) -> list[int]:

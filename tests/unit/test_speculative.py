@@ -319,6 +319,29 @@ def test_best_draft_length_backs_off_where_verifying_costs_as_much_as_it_saves()
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
+def test_prompt_lookup_keeps_an_acceptance_per_match_length():
+    """The adaptive K of a prompt-lookup request follows the acceptance of the match it has
+    now: after one-token matches that kept failing it drafts less than after a four-token
+    match whose drafts held; a step whose last token matches nothing earlier drafts nothing
+    and leaves every acceptance as it was."""
+    engine, _, _ = make("ngram", 0)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]  # ends with a 4-gram seen before
+    req = Request("r", tokens, SamplingParams())
+    assert NgramDrafter(4).kind(req) == 4
+    for _ in range(30):
+        req.acceptances.setdefault(1, type(req.acceptance)()).update(4, 0)
+        req.acceptances.setdefault(4, type(req.acceptance)()).update(4, 4)
+    long = engine._draft_lengths([req])[req]
+    assert req.draft_kind == 4 and long >= 4
+    req.append(5), req.append(9)  # "... 5 9": only the 1-gram "9" occurred before
+    assert engine._draft_lengths([req]).get(req, 0) < long
+    assert req.draft_kind == 1
+    req.append(63)  # never seen: nothing to draft, nothing recorded
+    before = {n: (a.accepted, a.trials, a.idle_steps) for n, a in req.acceptances.items()}
+    assert engine._draft_lengths([req]) == {}
+    assert {n: (a.accepted, a.trials, a.idle_steps) for n, a in req.acceptances.items()} == before
+
+
 def test_adaptive_speculation_backs_off_on_unpredictable_text_and_stays_exact():
     ps = prompts(4, seed=9)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

@@ -4,10 +4,11 @@ A step that verifies K drafted tokens per request yields, for a request whose dr
 accepted with per-token probability a, (1 - a^(K+1)) / (1 - a) tokens on average; it costs a
 verify of K + 1 tokens per sequence at this batch size plus K draft steps. Both costs are
 measured on this machine (CostModel, see cost.py); a comes from each request's running
-acceptance. K = 0 is plain decoding, so speculation backs off by itself where it does not pay
-(e.g. at large batch sizes, where a decode step is already compute-bound, or on text the
-drafter cannot predict). A request that has not drafted for a while drifts back to the prior
-acceptance, so it is tried again.
+acceptance of the kind of draft it gets this step (prompt lookup: per match length,
+Request.acceptance). K = 0 is plain decoding, so speculation backs off by itself where it
+does not pay (e.g. at large batch sizes, where a decode step is already compute-bound, or on
+text the drafter cannot predict). A request that has not drafted for a while drifts back to
+the prior acceptance, so it is tried again.
 """
 
 from __future__ import annotations

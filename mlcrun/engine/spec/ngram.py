@@ -38,11 +38,15 @@ class NgramIndex:
     def match(self, tokens: Sequence[int]) -> list[int]:
         """Where the tokens after the earlier occurrences of the longest matching suffix of
         `tokens` begin (ascending; empty when not even the last token occurred before)."""
+        return self.longest(tokens)[1]
+
+    def longest(self, tokens: Sequence[int]) -> tuple[int, list[int]]:
+        """(n, follows) of the longest matching suffix; (0, []) without one."""
         for n in range(min(self.ngram_max, len(tokens) - 1), 0, -1):
             follows = self.follows.get(tuple(tokens[-n:]))
             if follows:
-                return follows
-        return []
+                return n, follows
+        return 0, []
 
 
 class NgramDrafter:
@@ -52,16 +56,31 @@ class NgramDrafter:
             weakref.WeakKeyDictionary()
         )  # a finished request's index goes with it
 
+    def kind(self, req: Request) -> int | None:
+        """The kind of draft `req` would get now: the length n of its longest matching
+        suffix, or None without a match (nothing to draft). The engine keeps a request's
+        acceptance per n: a match of 4 tokens is far likelier to go on as before than a
+        match of one, so one running rate would draft too much after the one and too little
+        after the other."""
+        if len(req.tokens) < 2:
+            return None
+        index = self._index(req)
+        index.extend(req.tokens)
+        return index.longest(req.tokens)[0] or None
+
     def propose(
         self, batch: Sequence[Request], lengths: dict[Request, int], width: int
     ) -> dict[Request, DraftTree]:
-        trees = {}
-        for req in batch:
-            index = self._indexes.get(req)
-            if index is None:
-                index = self._indexes[req] = NgramIndex(self.ngram_max)
-            trees[req] = self._lookup(index, req.tokens, lengths.get(req, 0), width)
-        return trees
+        return {
+            req: self._lookup(self._index(req), req.tokens, lengths.get(req, 0), width)
+            for req in batch
+        }
+
+    def _index(self, req: Request) -> NgramIndex:
+        index = self._indexes.get(req)
+        if index is None:
+            index = self._indexes[req] = NgramIndex(self.ngram_max)
+        return index
 
     def lookup(self, tokens: Sequence[int], k: int, width: int = 1) -> DraftTree:
         """A chain of up to k tokens after the longest earlier match of the suffix; with
