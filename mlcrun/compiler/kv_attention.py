@@ -139,6 +139,7 @@ def _shuffle_indices(step: int) -> tuple[list[int], list[int]]:
 
 
 _STAGES = {step: _shuffle_indices(step) for step in (8, 4, 2, 1)}
+_ROTATE = {step: [(j + step) % LANES for j in range(LANES)] for step in (8, 4, 2, 1)}
 
 
 # ----------------------------------------------------------------------------------- decode
@@ -169,12 +170,21 @@ def _reduce_stage(dst, src, step, first, second):
 
 
 @T.macro
-def _max_stage(hx, rotation):
-    """hx row 0 = its lane-wise max with itself rotated (four stages: every lane the max)."""
-    hx[0, T.ramp(0, 1, LANES)] = T.max(
+def _rotate_combine(hx, combine, rotation):
+    hx[0, T.ramp(0, 1, LANES)] = combine(
         hx[0, T.ramp(0, 1, LANES)],
         T.Shuffle([hx[0, T.ramp(0, 1, LANES)], hx[0, T.ramp(0, 1, LANES)]], rotation),
     )
+
+
+@T.macro
+def _all_lanes(hx, combine):
+    """hx row 0 = combine over its 16 lanes, in every lane: four rotate-and-combine stages
+    (combine: T.max for a page's max, an addition for a sum)."""
+    _rotate_combine(hx, combine, _ROTATE[8])
+    _rotate_combine(hx, combine, _ROTATE[4])
+    _rotate_combine(hx, combine, _ROTATE[2])
+    _rotate_combine(hx, combine, _ROTATE[1])
 
 
 def _in_range(j, first, end):
@@ -196,7 +206,6 @@ def _page_macros(G: int, D: int):
     first, second = {}, {}
     for step in (8, 4, 2, 1):
         first[step], second[step] = _STAGES[step]
-    rotate = {step: [(j + step) % LANES for j in range(LANES)] for step in (8, 4, 2, 1)}
 
     @T.macro
     def scores(qv, acc, sc, ra, rb, hx, p, m, den, pages, page, hk, row0, start, cnt):
@@ -225,10 +234,7 @@ def _page_macros(G: int, D: int):
                     _in_range(j, start, cnt), hx[0, j], T.float32(MASKED)
                 )
                 hx[0, j] = p[row0 + hk * G + g, j]
-            _max_stage(hx, rotate[8])
-            _max_stage(hx, rotate[4])
-            _max_stage(hx, rotate[2])
-            _max_stage(hx, rotate[1])
+            _all_lanes(hx, T.max)
             hx[1, 0] = T.max(m[row0 + hk * G + g], hx[0, 0])  # the new running max
             hx[1, 1] = exp2_nonpositive(m[row0 + hk * G + g] - hx[1, 0])  # rescales earlier pages
             m[row0 + hk * G + g] = hx[1, 0]
@@ -802,21 +808,12 @@ def _tree_visible(tree, tree_begin, tree_start, kv_n):
     return visible
 
 
-@T.macro
-def _sum_stage(hx, rotation):
-    """hx row 0 = its lane-wise sum with itself rotated (four stages: every lane the sum)."""
-    hx[0, T.ramp(0, 1, LANES)] = hx[0, T.ramp(0, 1, LANES)] + T.Shuffle(
-        [hx[0, T.ramp(0, 1, LANES)], hx[0, T.ramp(0, 1, LANES)]], rotation
-    )
-
-
 def _short_ragged(H_qo: int, G: int, D: int):
     """Every row of a ragged call with few tokens, one after another on the calling thread:
     per (token, head) row its visible keys' scores (a 16-lane product over the head dimension,
     summed by a rotation tree), their softmax and the weighted sum of their values. A verify
     of a few tokens sees a few keys here, which the 16-row tiles would pad to a whole chunk
     (and copy, as a chunk past the end of the keys) for each of 16 rows."""
-    rotate = {step: [(j + step) % LANES for j in range(LANES)] for step in (8, 4, 2, 1)}
 
     @T.macro
     def rows(q, k, v, output, lse, q_indptr, kv_indptr, batch_size, causal, sm_scale):
@@ -828,11 +825,11 @@ def _short_ragged(H_qo: int, G: int, D: int):
         for b in T.serial(batch_size):
             q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
             kv_n: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
+            key: T.let[T.int32] = kv_indptr[b]
             for tok in T.serial(q_n):
                 lim: T.let[T.int32] = T.max(T.min(_causal_lim(causal, kv_n, q_n)(tok), kv_n), 0)
+                row: T.let[T.int32] = q_indptr[b] + tok
                 for h in T.serial(H_qo):
-                    row: T.let[T.int32] = q_indptr[b] + tok
-                    key: T.let[T.int32] = kv_indptr[b]
                     for d in T.vectorized(D):
                         qv[d] = q[row, h, d].astype("float32") * (sm_scale * LOG2E)
                     st[0] = T.float32(EMPTY)
@@ -844,10 +841,7 @@ def _short_ragged(H_qo: int, G: int, D: int):
                                 hx[0, x] = hx[0, x] + qv[(d0 + 1) * LANES + x] * k[
                                     key + j, h // G, (d0 + 1) * LANES + x
                                 ].astype("float32")
-                        _sum_stage(hx, rotate[8])
-                        _sum_stage(hx, rotate[4])
-                        _sum_stage(hx, rotate[2])
-                        _sum_stage(hx, rotate[1])
+                        _all_lanes(hx, lambda x, y: x + y)
                         sc[j] = hx[0, 0]
                         st[0] = T.max(st[0], hx[0, 0])
                     st[1] = T.float32(0)
