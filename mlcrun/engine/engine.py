@@ -384,7 +384,13 @@ class Engine:
         """How many tokens each decoding request may draft this step (before the scheduler
         clamps them to pages, max_tokens and the context window). Constrained requests decode
         plainly: their grammar would have to be rolled back on rejection."""
-        free = [r for r in batch if r.constraint is None and not self._catch_up_too_long(r)]
+        catch_up = any(map(self._draft_lags, batch)) and self._catch_up_pays()
+        free = [
+            r
+            for r in batch
+            if r.constraint is None
+            and not (self._draft_lags(r) and (not catch_up or self._catch_up_too_long(r)))
+        ]
         kind = getattr(self.drafter, "kind", None)  # prompt lookup: the match length, or None
         if kind is not None:  # keyed acceptance (Request.acceptance); no match, no draft
             for req in free:
@@ -408,11 +414,19 @@ class Engine:
                 return probes
         return {r: k for r in free}
 
+    def _catch_up_pays(self) -> bool:
+        """Whether a lagging draft model may catch up (prefill what it lacks) now: only where
+        drafting pays at the batch that decodes soon, running and waiting requests together,
+        the rule the draft's lockstep prefill follows. While a batch fills, its first requests
+        decode alone for a few steps; a catch-up then buys drafts the grown batch never makes."""
+        soon = len(self.scheduler.running) + len(self.scheduler.waiting)
+        return self._drafting_pays(soon, PRIOR_ACCEPTANCE)
+
     def _catch_up_too_long(self, req: Request) -> bool:
-        """A draft model that lacks more tokens than the request has left to generate: its
-        catch-up (a prefill of them) would cost more than drafting could save."""
+        """A lagging draft model that lacks more tokens than the request has left to generate:
+        its catch-up (a prefill of them) would cost more than drafting could save."""
         left = req.params.max_tokens - req.num_output
-        return self._draft_lags(req) and req.num_computed - req.num_draft_computed > left
+        return req.num_computed - req.num_draft_computed > left
 
     def _draft_lags(self, req: Request) -> bool:
         """A draft model that lacks more than the pending token: probing would pay its

@@ -421,6 +421,20 @@ def test_a_draft_never_catches_up_on_more_than_the_request_has_left():
     assert draft.fed == 0 and engine.stats.spec_steps == 0
 
 
+def test_a_draft_does_not_catch_up_while_its_batch_fills():
+    """Six 60-token prompts prefill one chunk at a time: the first requests decode alone for a
+    few steps, where drafting would pay, but the batch they are about to join (six) does not
+    draft, so their drafts never catch up on the prompts they skipped."""
+    ps = [COPYING[i : i + 60] for i in range(6)]
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    plain = generate(*make(script=COPYING), ps, params)
+    draft = CountingRunner(vocab_size=64, script=COPYING, script_from=0)
+    engine, runner, draft = make("draft", 0, 1, draft, script=COPYING, costs=BATCH_BOUND)
+    spec = generate(engine, runner, draft, ps, params)
+    assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
+    assert draft.fed == 0 and engine.stats.spec_steps == 0
+
+
 # -- bad input and failures -----------------------------------------------------------------------
 
 
