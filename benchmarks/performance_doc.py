@@ -327,24 +327,39 @@ def _gap_ngram(spec: dict, cases: list[dict]) -> str:
 
 
 def _gap_tput(spec: dict, cases: list[dict]) -> str:
-    drafted = {
-        f"{MODEL_NAMES[c['model']]} {c['mode']}": _row(spec, c["model"], c["mode"])
-        .get("throughput", {})
-        .get("draft_tokens")
-        for c in cases
-    }
+    drafted, per_round = {}, []
+    for c in cases:
+        name = f"{MODEL_NAMES[c['model']]} {c['mode']}"
+        tput = _row(spec, c["model"], c["mode"]).get("throughput", {})
+        drafted[name] = tput.get("draft_tokens")
+        plain = _row(spec, c["model"], "plain").get("throughput", {}).get("tput_tps_rounds")
+        mine = tput.get("tput_tps_rounds")
+        if plain and mine and len(plain) == len(mine):
+            ratios = [m / p for m, p in zip(mine, plain)]
+            per_round.append((name, ratios))
     listed = ", ".join(f"{k} {v}" for k, v in drafted.items() if v is not None)
-    rounds = spec.get("rounds")
-    return (
+    text = (
         "At 16 concurrent requests the adaptive length drafts little (drafted tokens: "
         f"{listed}, of 16 x 256 generated): requests are admitted a prefill chunk at a time, "
-        "so the first ones decode in small batches for a few steps, where drafting pays, and "
-        "a draft model must first catch up on such a request's prompt and output (a prefill "
-        "of its whole history, for drafts the growing batch soon stops). That catch-up, the "
-        "verify steps of those small batches, trial probes and the adaptive bookkeeping are "
-        "what a speculative engine does beyond plain decoding here, beside run-to-run noise: "
-        f"with {rounds} round(s) this run has no spread to tell them apart."
+        "so the first ones decode in small batches for a few steps, where drafting pays (a "
+        "draft model does not catch up on a request's history there: the running and waiting "
+        "requests together would not draft). The verify steps of those small batches, trial "
+        "probes and the adaptive bookkeeping are what a speculative engine does beyond plain "
+        "decoding here."
     )
+    if per_round:
+        rounds = "; ".join(
+            f"{name} {', '.join(f'{r:.2f}x' for r in ratios)}" for name, ratios in per_round
+        )
+        straddle = [name for name, ratios in per_round if max(ratios) >= 1.0]
+        text += f" Round by round against the same round's plain run: {rounds}"
+        if straddle:
+            text += (
+                f" ({', '.join(straddle)}: at or above plain in some round, so the median's "
+                "gap is within this run's round-to-round spread)"
+            )
+        text += "."
+    return text
 
 
 SPEC_GAPS = {"ngram-grounded": _gap_ngram, "tput16": _gap_tput}
