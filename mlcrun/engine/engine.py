@@ -127,6 +127,7 @@ class Engine:
         self._step_time = 0.0  # when this step's tokens were produced
         self.stats = EngineStats(total_pages=self.kv.total_pages)
         self.costs = cost_model
+        self._pays: dict[tuple[int, float], bool] = {}  # _drafting_pays by (batch, rate)
         if self.spec and not config.spec_draft_length and cost_model is None:
             self.costs = self.measure_costs()
         self._update_stats()
@@ -383,7 +384,11 @@ class Engine:
     def _draft_lengths(self, batch: list[Request]) -> dict[Request, int]:
         """How many tokens each decoding request may draft this step (before the scheduler
         clamps them to pages, max_tokens and the context window). Constrained requests decode
-        plainly: their grammar would have to be rolled back on rejection."""
+        plainly: their grammar would have to be rolled back on rejection. At a batch size
+        where even drafts that are always right would not pay, nothing is looked up and the
+        step does not count as idle for the requests' acceptance (no probe could run)."""
+        if not self._drafting_pays(len(batch), 1.0):
+            return {}
         catch_up = any(map(self._draft_lags, batch)) and self._catch_up_pays()
         free = [
             r
@@ -401,13 +406,11 @@ class Engine:
             # the others are one-node trees in the same verify: rate 0 yields 1 token each
             rates = [r.acceptance.rate if r in free else 0.0 for r in batch]
             k = best_draft_length(rates, self.costs, self.config.spec_max_draft_length)
-            if not k:  # plain decoding pays more; requests idle long enough probe, unless
-                # even drafts that are always right would not pay at this batch size
-                probe = self._drafting_pays(len(batch), 1.0)
+            if not k:  # plain decoding pays more; requests idle long enough probe
                 probes = {
                     r: PROBE_LENGTH
                     for r in free
-                    if probe and r.acceptance.probe_due and not self._draft_lags(r)
+                    if r.acceptance.probe_due and not self._draft_lags(r)
                 }
                 for req in free:
                     req.acceptance.idle()
@@ -436,11 +439,15 @@ class Engine:
 
     def _drafting_pays(self, batch: int, rate: float) -> bool:
         """Whether requests drafting with acceptance `rate` at this batch size would draft
-        (always, with a fixed draft length)."""
+        (always, with a fixed draft length). Asked every step: memoized."""
         if self.config.spec_draft_length:
             return True
-        max_k = self.config.spec_max_draft_length
-        return best_draft_length([rate] * max(batch, 1), self.costs, max_k) > 0
+        pays = self._pays.get((batch, rate))
+        if pays is None:
+            max_k = self.config.spec_max_draft_length
+            pays = best_draft_length([rate] * max(batch, 1), self.costs, max_k) > 0
+            self._pays[batch, rate] = pays
+        return pays
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params

@@ -384,6 +384,26 @@ def test_where_drafting_cannot_pay_the_draft_model_does_no_work():
     assert engine.stats.spec_steps == 0
 
 
+def test_prompt_lookup_looks_nothing_up_where_no_draft_could_pay():
+    """At batch 4 and more (BATCH_BOUND) even drafts that are always right would not pay:
+    those steps decode plainly without a lookup; the last requests, alone, draft again."""
+    ps = [COPYING[i : i + 12] for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (60, 8, 9, 10, 11, 12)
+    ]
+    plain = generate(*make(script=COPYING), ps, params)
+    engine, runner, _ = make("ngram", 0, 1, script=COPYING, costs=BATCH_BOUND)
+    running_at_lookup = []
+    kind = engine.drafter.kind
+    engine.drafter.kind = lambda req: (
+        running_at_lookup.append(len(engine.scheduler.running)) or kind(req)
+    )
+    spec = generate(engine, runner, None, ps, params)
+    assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
+    assert running_at_lookup and max(running_at_lookup) < 4
+    assert engine.stats.spec_steps > 0 and engine.stats.spec_accepted > 20
+
+
 def test_a_lagging_draft_catches_up_when_drafting_starts_to_pay():
     """Four requests decode plainly (batch 4); once the short ones finish, the long one
     drafts: its draft catches up on everything it lacks. A later request forks the retained
