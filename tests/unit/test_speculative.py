@@ -372,16 +372,21 @@ BATCH_BOUND = CostModel(
 )
 
 
-def test_where_drafting_cannot_pay_the_draft_model_does_no_work():
-    ps = prompts(6, seed=11)
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+def _assert_the_draft_model_does_no_work(ps, params):
+    """Draft mode under BATCH_BOUND gives plain decoding's answers without feeding the draft
+    model a token or running a speculative step."""
     plain = generate(*make(script=COPYING), ps, params)
     draft = CountingRunner(vocab_size=64, script=COPYING, script_from=0)
     engine, runner, draft = make("draft", 0, 1, draft, script=COPYING, costs=BATCH_BOUND)
     spec = generate(engine, runner, draft, ps, params)
     assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
-    assert draft.fed == 0  # no prompt prefilled into it, no probes: 6 requests stay at batch 6
-    assert engine.stats.spec_steps == 0
+    assert draft.fed == 0 and engine.stats.spec_steps == 0
+
+
+def test_where_drafting_cannot_pay_the_draft_model_does_no_work():
+    # no prompt prefilled into it, no probes: 6 requests stay at batch 6
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    _assert_the_draft_model_does_no_work(prompts(6, seed=11), params)
 
 
 def test_prompt_lookup_looks_nothing_up_where_no_draft_could_pay():
@@ -433,12 +438,7 @@ def test_a_draft_never_catches_up_on_more_than_the_request_has_left():
     up costs more than drafting saves, so it decodes plainly (and its answer is plain's)."""
     ps = [COPYING[:40], COPYING[3:15], COPYING[5:17], COPYING[7:19]]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 5, 6, 8)]
-    plain = generate(*make(script=COPYING), ps, params)
-    draft = CountingRunner(vocab_size=64, script=COPYING, script_from=0)
-    engine, runner, draft = make("draft", 0, 1, draft, script=COPYING, costs=BATCH_BOUND)
-    spec = generate(engine, runner, draft, ps, params)
-    assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
-    assert draft.fed == 0 and engine.stats.spec_steps == 0
+    _assert_the_draft_model_does_no_work(ps, params)
 
 
 def test_a_draft_does_not_catch_up_while_its_batch_fills():
@@ -447,12 +447,7 @@ def test_a_draft_does_not_catch_up_while_its_batch_fills():
     draft, so their drafts never catch up on the prompts they skipped."""
     ps = [COPYING[i : i + 60] for i in range(6)]
     params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
-    plain = generate(*make(script=COPYING), ps, params)
-    draft = CountingRunner(vocab_size=64, script=COPYING, script_from=0)
-    engine, runner, draft = make("draft", 0, 1, draft, script=COPYING, costs=BATCH_BOUND)
-    spec = generate(engine, runner, draft, ps, params)
-    assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
-    assert draft.fed == 0 and engine.stats.spec_steps == 0
+    _assert_the_draft_model_does_no_work(ps, params)
 
 
 # -- bad input and failures -----------------------------------------------------------------------
