@@ -5,6 +5,7 @@ preemption, and failures stay with their requests."""
 
 import hashlib
 import itertools
+import types
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from stats_check import assert_draws_follow
 from mlcrun.engine.config import EngineConfig
 from mlcrun.engine.engine import Engine
 from mlcrun.engine.request import Request
+from mlcrun.engine.spec import cost
 from mlcrun.engine.spec.accept import accept_sampled
 from mlcrun.engine.spec.adaptive import CostModel, best_draft_length, expected_tokens
 from mlcrun.engine.spec.ngram import NgramDrafter
@@ -448,6 +450,51 @@ def test_a_draft_does_not_catch_up_while_its_batch_fills():
     ps = [COPYING[i : i + 60] for i in range(6)]
     params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
     _assert_the_draft_model_does_no_work(ps, params)
+
+
+class TimedRunner(FakeRunner):
+    """A runner on a fake clock: per sequence a decode step takes 1 and a verify of n tokens
+    1 + 0.1 (n - 1); the decode and verify calls numbered in `burst` take twice as long (other
+    work on the machine)."""
+
+    def __init__(self, clock, burst, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.clock, self.burst, self.timed = clock, burst, 0
+
+    def _spend(self, seconds: float) -> None:
+        self.clock.now += seconds * (2 if self.timed in self.burst else 1)
+        self.timed += 1
+
+    def batch_decode(self, embeddings, seq_ids):
+        self._spend(len(seq_ids))
+        return super().batch_decode(embeddings, seq_ids)
+
+    def batch_verify(self, embeddings, seq_ids, lengths, token_tree_parent_ptr):
+        self._spend(sum(1 + 0.1 * (n - 1) for n in lengths))
+        return super().batch_verify(embeddings, seq_ids, lengths, token_tree_parent_ptr)
+
+
+def test_step_costs_are_measured_round_by_round(monkeypatch):
+    """Six consecutive calls twice as slow, wherever they fall in the measurement, leave the
+    cost table exact: every step is timed once per round and its fastest round counts, so no
+    step has all its timed calls inside the burst (timed call by call, a burst over one step's
+    calls made that step alone look twice as slow)."""
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(cost, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    for start in range(0, 60, 3):
+        runner = TimedRunner(clock, range(start, start + 6), vocab_size=128)
+        config = EngineConfig(
+            max_num_sequence=8,
+            max_total_sequence_length=2048,
+            prefill_chunk_size=64,
+            kv_cache_page_size=4,
+            speculative_mode="ngram",
+        )
+        engine = Engine(runner, config, context_window=256, cost_model=FLAT)
+        table = engine.measure_costs()
+        for b, row in table.verify.items():
+            want = {n: pytest.approx(b * (1 + 0.1 * (n - 1))) for n in row}
+            assert row == want, (start, b)
 
 
 # -- bad input and failures -----------------------------------------------------------------------

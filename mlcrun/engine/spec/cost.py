@@ -4,14 +4,19 @@ Scratch sequences are prefilled to a moderate depth, then at each batch size the
 a plain decode step and chain verifies of n tokens per sequence, and the draft model (if any)
 a decode step; each point is the fastest of a few timed calls after a warm-up (other work on
 the machine only ever adds time, and a cost table measured slow would stop speculation where
-it pays). The caches are
-left as they were. Done once per model and machine (the caller caches the result).
+it pays). The calls go round by round, one of each step per round, so that a burst of other
+work slows every step of a round alike rather than all calls of one step: a table whose plain
+step alone was timed during a burst makes verifies look cheap beside it, and drafts then run
+where they cost throughput (on 2 busy cores, a batch-16 decode step timed at twice its cost made
+16 requests under prompt lookup 15% slower than plain decoding). The caches are left as they
+were. Done once per model and machine (the caller caches the result).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 
 from ..kv_manager import KVManager
 from ..runner import ModelRunner
@@ -44,38 +49,49 @@ def measure_costs(
         costs = CostModel()
         for b in batch_sizes:
             ids = seqs[:b]
-            costs.verify[b] = {n: _time_verify(runner, ids, n) for n in sizes if b * n <= chunk}
+            steps = {n: partial(_time_verify, runner, ids, n) for n in sizes if b * n <= chunk}
+            if draft is not None:  # key 0: the draft model's decode step
+                steps[0] = partial(_time_decode, draft, ids)
+            best = _fastest_by_rounds(steps)
+            costs.verify[b] = {n: t for n, t in best.items() if n}
             if draft is not None:
-                costs.draft[b] = _time_decode(draft, ids)
+                costs.draft[b] = best[0]
         return costs
     finally:
         for seq_id in seqs:
             kv.close(seq_id)
 
 
+def _fastest_by_rounds(steps: dict) -> dict:
+    """Each step's fastest call over REPEATS rounds of one call each, after a warm-up round."""
+    times: dict = {key: [] for key in steps}
+    for _ in range(REPEATS + 1):
+        for key, step in steps.items():
+            times[key].append(step())
+    return {key: min(t[1:]) for key, t in times.items()}
+
+
 def _time_verify(runner: ModelRunner, ids: list[int], n: int) -> float:
+    """One chain verify of n tokens per sequence and its commit (n = 1: a decode step), then
+    the sequences back to their depth."""
     if n == 1:
         return _time_decode(runner, ids)
     parents = [-1, *range(n - 1)] * len(ids)
-    times = []
-    for _ in range(REPEATS + 1):
-        emb = runner.token_embed([5] * (n * len(ids)))
-        start = time.perf_counter()
-        runner.batch_verify(emb, ids, [n] * len(ids), parents)
-        runner.commit_accepted_token_tree_nodes(ids, [0] * len(ids))
-        times.append(time.perf_counter() - start)
-        for seq_id in ids:  # back to the same depth
-            runner.popn(seq_id, 1)
-    return min(times[1:])
+    emb = runner.token_embed([5] * (n * len(ids)))
+    start = time.perf_counter()
+    runner.batch_verify(emb, ids, [n] * len(ids), parents)
+    runner.commit_accepted_token_tree_nodes(ids, [0] * len(ids))
+    elapsed = time.perf_counter() - start
+    for seq_id in ids:  # back to the same depth
+        runner.popn(seq_id, 1)
+    return elapsed
 
 
 def _time_decode(runner: ModelRunner, ids: list[int]) -> float:
-    times = []
-    for _ in range(REPEATS + 1):
-        emb = runner.token_embed([5] * len(ids))
-        start = time.perf_counter()
-        runner.batch_decode(emb, ids)
-        times.append(time.perf_counter() - start)
-        for seq_id in ids:
-            runner.popn(seq_id, 1)
-    return min(times[1:])
+    emb = runner.token_embed([5] * len(ids))
+    start = time.perf_counter()
+    runner.batch_decode(emb, ids)
+    elapsed = time.perf_counter() - start
+    for seq_id in ids:
+        runner.popn(seq_id, 1)
+    return elapsed
