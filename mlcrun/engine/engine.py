@@ -279,10 +279,8 @@ class Engine:
             return []
         elapsed = time.perf_counter() - start
         self.stats.prefill_tokens += len(tokens)
-        decoding_soon = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if isinstance(self.drafter, ModelDrafter) and self._drafting_pays(
-            decoding_soon, PRIOR_ACCEPTANCE
-        ):  # the draft cache takes the same chunks now, else it catches up when it drafts
+        if isinstance(self.drafter, ModelDrafter) and self._feeding_the_draft_pays():
+            # the draft cache takes the same chunks now, else it catches up when it drafts
             self._forward(batch, lambda: self.drafter.prefill(plan))  # failing fails them
         ready = []
         for row, (req, n) in enumerate(plan):
@@ -389,12 +387,12 @@ class Engine:
         step does not count as idle for the requests' acceptance (no probe could run)."""
         if not self._drafting_pays(len(batch), 1.0):
             return {}
-        catch_up = any(map(self._draft_lags, batch)) and self._catch_up_pays()
-        free = [
+        catch_up = any(map(self._draft_lags, batch)) and self._feeding_the_draft_pays()
+        free = [  # a lagging draft drafts only after a catch-up that pays
             r
             for r in batch
             if r.constraint is None
-            and not (self._draft_lags(r) and (not catch_up or self._catch_up_too_long(r)))
+            and (not self._draft_lags(r) or (catch_up and not self._catch_up_too_long(r)))
         ]
         kind = getattr(self.drafter, "kind", None)  # prompt lookup: the match length, or None
         if kind is not None:  # keyed acceptance (Request.acceptance); no match, no draft
@@ -417,11 +415,11 @@ class Engine:
                 return probes
         return {r: k for r in free}
 
-    def _catch_up_pays(self) -> bool:
-        """Whether a lagging draft model may catch up (prefill what it lacks) now: only where
-        drafting pays at the batch that decodes soon, running and waiting requests together,
-        the rule the draft's lockstep prefill follows. While a batch fills, its first requests
-        decode alone for a few steps; a catch-up then buys drafts the grown batch never makes."""
+    def _feeding_the_draft_pays(self) -> bool:
+        """Whether the draft model should take tokens now (a prefill's chunks in lockstep, or a
+        lagging request's catch-up): only where drafting pays at the batch that decodes soon,
+        running and waiting requests together. While a batch fills, its first requests decode
+        alone for a few steps; feeding the draft then buys drafts the grown batch never makes."""
         soon = len(self.scheduler.running) + len(self.scheduler.waiting)
         return self._drafting_pays(soon, PRIOR_ACCEPTANCE)
 

@@ -481,15 +481,15 @@ def test_step_costs_are_measured_round_by_round(monkeypatch):
     calls made that step alone look twice as slow)."""
     clock = types.SimpleNamespace(now=0.0)
     monkeypatch.setattr(cost, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    config = EngineConfig(
+        max_num_sequence=8,
+        max_total_sequence_length=2048,
+        prefill_chunk_size=64,
+        kv_cache_page_size=4,
+        speculative_mode="ngram",
+    )
     for start in range(0, 60, 3):
         runner = TimedRunner(clock, range(start, start + 6), vocab_size=128)
-        config = EngineConfig(
-            max_num_sequence=8,
-            max_total_sequence_length=2048,
-            prefill_chunk_size=64,
-            kv_cache_page_size=4,
-            speculative_mode="ngram",
-        )
         engine = Engine(runner, config, context_window=256, cost_model=FLAT)
         table = engine.measure_costs()
         for b, row in table.verify.items():
