@@ -9,7 +9,8 @@ functions under their names and our PrimFuncs take their place, so the cache's C
 * `fused_rope` (q/k/v split + RoPE), here: TVM computed cos/sin (and a pow) per *element*,
   i.e. once per head for the same angle. Ours computes each (token, frequency) pair's cos/sin
   once with TVM's own frequency functions (every rope_scaling variant we accept) and applies
-  it to all q and k heads; tokens run in parallel. Same expressions, same rounding.
+  it to all q and k heads; tokens run in parallel (one token on the calling thread: a
+  thread-pool launch costs more). Same expressions, same rounding.
 * Attention (compiler/kv_attention.py): decode (`batch_decode_paged_kv_cpu`), prefill over the
   chunk itself and over cached pages (`batch_prefill_ragged_kv`, `batch_prefill_paged_kv_cpu`),
   token-tree verification (`batch_tree_attn`, `tree_attn_paged_kv_cpu`) and the merge of two
@@ -59,6 +60,7 @@ ATTENTION = {
     TREE_PAGED_NAME: kv_attention.tree_paged_attention,
 }
 KV_DTYPES = ("float32", "float16")
+PARALLEL_TOKENS = 2  # fused_rope runs tokens in parallel from this many on
 
 
 def _cos_sin(rope_scaling: dict, position, scale, i, rotary_dim: int, theta: float):
@@ -91,6 +93,41 @@ def split_rotary(
     half = rotary_dim // 2
     scale = tirx.const(scale, "float32")
 
+    @T.macro
+    def token(qkv, position_map, q, k, v, apply_rope, s):
+        """RoPE of token s: cos and sin of its angles once, applied to every q and k head."""
+        with T.sblock("rope"):
+            T.reads()
+            T.writes()
+            cos_buf = T.sblock_alloc_buffer((half,), "float32")
+            sin_buf = T.sblock_alloc_buffer((half,), "float32")
+            out = T.sblock_alloc_buffer((rot_heads, head_dim), "float32")
+            for i in T.serial(half):
+                cos_buf[i] = _cos_sin(rope_scaling, position_map[s], scale, i, rotary_dim, theta)[0]
+                sin_buf[i] = _cos_sin(rope_scaling, position_map[s], scale, i, rotary_dim, theta)[1]
+            for h in T.serial(rot_heads):
+                for d in T.vectorized(head_dim):
+                    out[h, d] = T.if_then_else(
+                        apply_rope > 0 and d < rotary_dim,
+                        T.if_then_else(
+                            d < half,
+                            cos_buf[d % half] * qkv[s, h, d].astype("float32")
+                            + sin_buf[d % half]
+                            * -qkv[s, h, (d + half) % head_dim].astype("float32"),
+                            cos_buf[d % half] * qkv[s, h, d].astype("float32")
+                            + sin_buf[d % half]
+                            * qkv[s, h, (d + head_dim - half) % head_dim].astype("float32"),
+                        ),
+                        qkv[s, h, d].astype("float32"),
+                    )
+            for h in T.serial(num_q_heads):
+                for d in T.vectorized(head_dim):
+                    q[s, h, d] = out[h, d].astype(dtype)
+            for h in T.serial(num_kv_heads):
+                for d in T.vectorized(head_dim):
+                    k[s, h, d] = out[num_q_heads + h, d].astype(dtype)
+                    v[s, h, d] = qkv[s, rot_heads + h, d]
+
     @T.prim_func(s_tir=True)
     def fused_rope(
         var_qkv: T.handle,
@@ -110,42 +147,15 @@ def split_rotary(
         position_map = T.match_buffer(
             var_position_map, (seq_len,), "int32", elem_offset=position_map_elem_offset
         )
-        for s in T.parallel(seq_len):
-            with T.sblock("rope"):
-                T.reads()
-                T.writes()
-                cos_buf = T.sblock_alloc_buffer((half,), "float32")
-                sin_buf = T.sblock_alloc_buffer((half,), "float32")
-                out = T.sblock_alloc_buffer((rot_heads, head_dim), "float32")
-                for i in T.serial(half):
-                    cos_buf[i] = _cos_sin(
-                        rope_scaling, position_map[s], scale, i, rotary_dim, theta
-                    )[0]
-                    sin_buf[i] = _cos_sin(
-                        rope_scaling, position_map[s], scale, i, rotary_dim, theta
-                    )[1]
-                for h in T.serial(rot_heads):
-                    for d in T.vectorized(head_dim):
-                        out[h, d] = T.if_then_else(
-                            apply_rope > 0 and d < rotary_dim,
-                            T.if_then_else(
-                                d < half,
-                                cos_buf[d % half] * qkv[s, h, d].astype("float32")
-                                + sin_buf[d % half]
-                                * -qkv[s, h, (d + half) % head_dim].astype("float32"),
-                                cos_buf[d % half] * qkv[s, h, d].astype("float32")
-                                + sin_buf[d % half]
-                                * qkv[s, h, (d + head_dim - half) % head_dim].astype("float32"),
-                            ),
-                            qkv[s, h, d].astype("float32"),
-                        )
-                for h in T.serial(num_q_heads):
-                    for d in T.vectorized(head_dim):
-                        q[s, h, d] = out[h, d].astype(dtype)
-                for h in T.serial(num_kv_heads):
-                    for d in T.vectorized(head_dim):
-                        k[s, h, d] = out[num_q_heads + h, d].astype(dtype)
-                        v[s, h, d] = qkv[s, rot_heads + h, d]
+        # One token (a decode step at batch 1) on the calling thread: a thread-pool launch
+        # costs more than its work (schedules/small.py). From 2 tokens on, their cos/sin
+        # (a few microseconds a token) pay for it.
+        if seq_len >= PARALLEL_TOKENS:
+            for s in T.parallel(seq_len):
+                token(qkv, position_map, q, k, v, apply_rope, s)
+        else:
+            for s in T.serial(seq_len):
+                token(qkv, position_map, q, k, v, apply_rope, s)
 
     return fused_rope
 

@@ -511,3 +511,32 @@ def test_merge_state(dtype, n):
     f(tv, ts, _t(other), _t(s_other))
     np.testing.assert_allclose(tv.numpy().astype(np.float64), want, atol=TOL[dtype], rtol=0)
     np.testing.assert_allclose(ts.numpy(), want_s, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])  # 1: the serial loop, 5: the parallel one
+def test_rope_matches_numpy(tokens: int) -> None:
+    """fused_rope (kv_kernels.split_rotary): q/k/v split and rotate-half RoPE, float32."""
+    from mlcrun.compiler.kv_kernels import PARALLEL_TOKENS, split_rotary
+
+    assert (tokens >= PARALLEL_TOKENS) == (tokens > 1)
+    h_q, h_kv, d, theta = 4, 2, 64, 10000.0
+    func = split_rotary(theta, 1.0, d, h_q, h_kv, "float32", {}, d)
+    key = ("rope", h_q, h_kv, d)
+    if key not in _built:
+        mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+        _built[key] = tvm.compile(mod, target=cpu_target())["main"]
+    qkv = RNG.standard_normal((tokens, h_q + 2 * h_kv, d)).astype("float32")
+    positions = RNG.integers(0, 1000, tokens).astype("int32")  # float32 angles: ulp 6e-5
+    q, k, v = (np.zeros((tokens, h, d), "float32") for h in (h_q, h_kv, h_kv))
+    out = [_t(a) for a in (q, k, v)]
+    _built[key](_t(qkv), _t(positions), *out, 1)
+
+    half = d // 2
+    angle = positions[:, None].astype(np.float64) * theta ** (-np.arange(half) * 2.0 / d)
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    x = qkv[:, : h_q + h_kv].astype(np.float64)
+    lo, hi = x[..., :half], x[..., half:]
+    rotated = np.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
+    np.testing.assert_allclose(out[0].numpy(), rotated[:, :h_q], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out[1].numpy(), rotated[:, h_q:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(out[2].numpy(), qkv[:, h_q + h_kv :])

@@ -18,6 +18,7 @@ from tvm.relax.frontend import nn  # noqa: E402
 
 from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
 from mlcrun.compiler.schedules import cpu as cpu_schedules  # noqa: E402
+from mlcrun.compiler.schedules import small  # noqa: E402
 from mlcrun.compiler.schedules.matmul import (  # noqa: E402
     BATCH_MAX_ROWS,
     DEFAULT_L2_BYTES,
@@ -226,10 +227,11 @@ def _rms_norm_module(h: int) -> tvm.IRModule:
 
 
 def test_rms_norm_matches_numpy() -> None:
+    """A few rows take the serial copy of the kernel (small.py), many the parallel loop."""
     h = 96
     vm = _vm(_rms_norm_module(h))
     g = RNG.standard_normal(h).astype("float32")
-    for rows in (1, 5):
+    for rows in (1, 5, 300):
         x = RNG.standard_normal((rows, 1, h)).astype("float32")
         got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(g)).numpy()
         want = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5) * g
@@ -446,3 +448,68 @@ def test_no_kernel_of_a_block_stays_serial() -> None:
     assert len(funcs) >= 3, sorted(funcs)
     for name, func in funcs.items():
         assert "T.parallel" in func.script(), f"{name} stays a single-threaded loop nest"
+
+
+def _row_kernels(cols: int) -> dict[str, tirx.PrimFunc]:
+    """y = x + 1 over rows of `cols` elements, rows in a parallel loop: 4 rows ("static"),
+    n rows ("symbolic"), and n rows through a scratch buffer per row ("allocating")."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def static(X: T.Buffer((4, cols), "float32"), Y: T.Buffer((4, cols), "float32")):
+        for r in T.parallel(4):
+            for c in T.vectorized(cols):
+                with T.sblock("y"):
+                    Y[r, c] = X[r, c] + T.float32(1)
+
+    @T.prim_func(s_tir=True)
+    def symbolic(x: T.handle, y: T.handle):
+        n = T.int32()
+        X = T.match_buffer(x, (n, cols), "float32")
+        Y = T.match_buffer(y, (n, cols), "float32")
+        for r in T.parallel(n):
+            for c in T.vectorized(cols):
+                with T.sblock("y"):
+                    Y[r, c] = X[r, c] + T.float32(1)
+
+    @T.prim_func(s_tir=True)
+    def allocating(x: T.handle, y: T.handle):
+        n = T.int32()
+        X = T.match_buffer(x, (n, cols), "float32")
+        Y = T.match_buffer(y, (n, cols), "float32")
+        for r in T.parallel(n):
+            with T.sblock("row"):
+                scratch = T.sblock_alloc_buffer((cols,), "float32")
+                for c in T.serial(cols):
+                    scratch[c] = X[r, c] + T.float32(1)
+                for c in T.serial(cols):
+                    Y[r, c] = scratch[c]
+
+    return {"static": static, "symbolic": symbolic, "allocating": allocating}
+
+
+def test_small_parallel_loops_run_serially() -> None:
+    """small.serial_when_small: a loop whose whole work is small runs serially; one of
+    symbolic extent keeps its launch from as many rows as make the work large, with a serial
+    copy below; large work, or a body that allocates (no copy possible), is left alone."""
+    limit = small.MIN_PARALLEL_ELEMENTS
+    narrow, wide = _row_kernels(64), _row_kernels(2 * limit)
+    assert "T.parallel" not in small.serial_when_small(narrow["static"]).script()
+    assert "T.parallel(4)" in small.serial_when_small(wide["static"]).script()
+    for kernel in (wide["symbolic"], narrow["allocating"]):
+        script = small.serial_when_small(kernel).script()
+        assert "if " not in script and "T.parallel(n)" in script, script
+
+    guarded = small.serial_when_small(narrow["symbolic"])
+    script = guarded.script()
+    assert f"if n >= {limit // 64}:" in script, script
+    assert "T.parallel(n)" in script and "for r in range(n):" in script, script
+    # Both branches compute the same thing.
+    lib = tvm.compile(
+        tvm.IRModule({"main": guarded.with_attr("global_symbol", "main")}), target=cpu_target()
+    )["main"]
+    for rows in (1, limit // 64 - 1, limit // 64, 3 * limit // 64):
+        x = RNG.standard_normal((rows, 64)).astype("float32")
+        y = tvm.runtime.tensor(np.zeros_like(x))
+        lib(tvm.runtime.tensor(x), y)
+        np.testing.assert_array_equal(y.numpy(), x + 1, err_msg=f"{rows} rows")

@@ -27,6 +27,7 @@ from tvm.target import Target
 from ...cpu_features import l2_cache_bytes
 from ..target import amx_bf16, bf16_dot_bits, int8_dot, vector_bits
 from . import bf16, int8, matmul
+from .small import serial_when_small
 
 LOG = logging.getLogger(__name__)
 
@@ -111,6 +112,12 @@ def gemm_tuning(target: Target) -> matmul.GemmTuning:
     return matmul.GemmTuning.for_cpu(l2_cache_bytes(), str(target.attrs.get("mcpu", "")))
 
 
+def _small(func: tirx.PrimFunc | None) -> tirx.PrimFunc | None:
+    """A norm, elementwise or fallback kernel runs serially where its work is a few thousand
+    elements (small.py: a thread-pool launch costs more)."""
+    return None if func is None else serial_when_small(func)
+
+
 def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     """Schedule one PrimFunc for `target` (an llvm target), or None if no rule applies."""
     bits = vector_bits(target)
@@ -119,9 +126,9 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
         ("int8", lambda f: int8.schedule(f, int8_dot(target))),  # int8 activations
         ("bf16", lambda f: bf16.schedule(f, bf16_dot_bits(target), amx_bf16(target))),
         ("matmul", lambda f: matmul.schedule(f, bits, tuning)),
-        ("reduction", lambda f: schedule_reduction(f, target)),
-        ("injective", lambda f: schedule_injective(f, max(bits // 32, 1))),
-        ("fallback", schedule_fallback),
+        ("reduction", lambda f: _small(schedule_reduction(f, target))),
+        ("injective", lambda f: _small(schedule_injective(f, max(bits // 32, 1)))),
+        ("fallback", lambda f: _small(schedule_fallback(f))),
     ]
     for name, rule in rules:
         try:
