@@ -513,3 +513,25 @@ def test_small_parallel_loops_run_serially() -> None:
         y = tvm.runtime.tensor(np.zeros_like(x))
         lib(tvm.runtime.tensor(x), y)
         np.testing.assert_array_equal(y.numpy(), x + 1, err_msg=f"{rows} rows")
+
+
+def test_a_reshape_stays_a_view() -> None:
+    """The relax pipeline turns a kernel it recognises as a reshape into a view; the small-
+    kernel guard must leave it recognisable (a guarded reshape ran as a copy kernel)."""
+    n = tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((n, 64), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(x, relax.const(1.0, "float32")))
+            z = bb.emit(relax.op.reshape(y, (n, 4, 16)))
+            w = bb.emit_output(relax.op.multiply(z, z))
+        bb.emit_func_output(w)
+    target = cpu_target()
+    executable = tvm.compile(bb.get(), target, relax_pipeline=get_pipeline(target))
+    calls = [line.split()[1] for line in executable.as_text().splitlines() if "call " in line]
+    assert "vm.builtin.reshape" in calls and "reshape" not in calls, calls
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    a = RNG.standard_normal((3, 64)).astype("float32")
+    got = vm["main"](tvm.runtime.tensor(a)).numpy()
+    np.testing.assert_allclose(got, ((a + 1) ** 2).reshape(3, 4, 16), rtol=1e-6)

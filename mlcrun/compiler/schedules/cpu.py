@@ -21,6 +21,7 @@ import logging
 
 import tvm
 from tvm import s_tir, tirx
+from tvm.relax.analysis import has_reshape_pattern
 from tvm.s_tir.dlight.cpu import Reduction
 from tvm.target import Target
 
@@ -114,8 +115,12 @@ def gemm_tuning(target: Target) -> matmul.GemmTuning:
 
 def _small(func: tirx.PrimFunc | None) -> tirx.PrimFunc | None:
     """A norm, elementwise or fallback kernel runs serially where its work is a few thousand
-    elements (small.py: a thread-pool launch costs more)."""
-    return None if func is None else serial_when_small(func)
+    elements (small.py: a thread-pool launch costs more). A reshape is left as it is: the
+    relax pipeline turns a kernel it recognises as a reshape into a view (no copy at all),
+    and a guarded copy no longer looks like one."""
+    if func is None or has_reshape_pattern(func):
+        return func
+    return serial_when_small(func)
 
 
 def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
