@@ -180,7 +180,9 @@ def test_matmul_and_epilogue_are_one_kernel(preset):
     per_panel = 4 + (1 if preset.startswith("q4f16_0") else 2)
     prefetches = script.count("llvm.prefetch")
     assert prefetches and prefetches % per_panel == 0, prefetches
+    # the quantize kernel's group max is a tree of vector maxima over halves (LLVM's
+    # vector.reduce.fmax became a chain of 16 scalar steps)
     quantize = funcs["quantize_activations"]
-    assert (
-        quantize.attrs.get("tirx.is_scheduled") and "llvm.vector.reduce.fmax" in quantize.script()
-    )
+    script = quantize.script()
+    assert quantize.attrs.get("tirx.is_scheduled") and "T.Shuffle" in script
+    assert "reduce.fmax" not in script
