@@ -18,7 +18,7 @@ from tvm.relax.frontend import nn  # noqa: E402
 
 from mlcrun.compiler.pipeline import get_pipeline, scheduled_tir_passes  # noqa: E402
 from mlcrun.compiler.schedules import cpu as cpu_schedules  # noqa: E402
-from mlcrun.compiler.schedules import small  # noqa: E402
+from mlcrun.compiler.schedules import norm, small  # noqa: E402
 from mlcrun.compiler.schedules.matmul import (  # noqa: E402
     BATCH_MAX_ROWS,
     DEFAULT_L2_BYTES,
@@ -214,10 +214,11 @@ def test_batch_rows_match_numpy(n: int, k: int, epilogue: str) -> None:
         )
 
 
-def _rms_norm_module(h: int) -> tvm.IRModule:
+def _rms_norm_module(shape: tuple, dtype: str = "float32") -> tvm.IRModule:
+    """rms_norm over the last dim of x [batch, *shape] (batch symbolic)."""
     bsz = tirx.Var("batch", "int64")
-    x = relax.Var("x", relax.TensorType((bsz, 1, h), "float32"))
-    g = relax.Var("g", relax.TensorType((h,), "float32"))
+    x = relax.Var("x", relax.TensorType((bsz, *shape), dtype))
+    g = relax.Var("g", relax.TensorType((shape[-1],), dtype))
     bb = relax.BlockBuilder()
     with bb.function("main", [x, g]):
         with bb.dataflow():
@@ -226,16 +227,46 @@ def _rms_norm_module(h: int) -> tvm.IRModule:
     return bb.get()
 
 
-def test_rms_norm_matches_numpy() -> None:
-    """A few rows take the serial copy of the kernel (small.py), many the parallel loop."""
-    h = 96
-    vm = _vm(_rms_norm_module(h))
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 96), (1, 48), (1, 576), (3, 64), (1, 40)],
+    ids=["2 chains", "1 chain", "4 chains", "per head", "not 16 lanes"],
+)
+def test_rms_norm_matches_numpy(shape) -> None:
+    """RMSNorm kernels (norm.py) over a few rows (serial) and many (parallel), on rows of 16-
+    lane multiples with 1, 2 or 4 sum chains and on q/k heads (a 3-D x); a row that is not a
+    multiple of 16 lanes is left to the generic reduction schedule."""
+    h = shape[-1]
+    mod = relax.transform.LegalizeOps()(_rms_norm_module(shape))
+    func = next(f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc))
+    assert (norm.schedule(func) is not None) == (h % norm.LANES == 0)
+    vm = _vm(_rms_norm_module(shape))
     g = RNG.standard_normal(h).astype("float32")
     for rows in (1, 5, 300):
-        x = RNG.standard_normal((rows, 1, h)).astype("float32")
+        x = RNG.standard_normal((rows, *shape)).astype("float32")
         got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(g)).numpy()
         want = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5) * g
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_rule_takes_only_a_plain_rms_norm() -> None:
+    """A function with more than the legalized rms_norm blocks (here an add fused before it)
+    is not RMSNorm's kernel's to replace."""
+    bsz = tirx.Var("batch", "int64")
+    x = relax.Var("x", relax.TensorType((bsz, 1, 64), "float32"))
+    g = relax.Var("g", relax.TensorType((64,), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, g]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(x, x))
+            out = bb.emit_output(relax.op.nn.rms_norm(y, g, axes=[-1], epsilon=1e-5))
+        bb.emit_func_output(out)
+    mod = relax.transform.FuseTIR()(
+        relax.transform.FuseOps(2)(relax.transform.LegalizeOps()(bb.get()))
+    )
+    funcs = [f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc)]
+    fused = [f for f in funcs if len(f.params) == 3 and "add" in str(f)]
+    assert fused and all(norm.schedule(f) is None for f in fused)
 
 
 def test_embedding_take_and_silu_mul() -> None:

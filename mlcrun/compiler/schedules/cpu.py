@@ -5,7 +5,8 @@ Rules are tried in order; the first that applies wins:
 0. `int8.schedule` / `bf16.schedule`: the int8- and bf16-activation ops of quant/modules.py
    (recognised by their block annotations), hand-written int8 (VNNI, AVX2) / vdpbf16ps kernels.
 1. `matmul.schedule`: NT matmul + epilogue (every Linear); GEMV/GEMM variants, see matmul.py.
-2. Row reductions (RMSNorm, softmax, ...): the wheel's `s_tir.dlight.cpu.Reduction` (parallel
+2. `norm.schedule`: RMSNorm (relax's legalized `nn.rms_norm`), a two-pass vector kernel.
+   Other row reductions (softmax, ...): the wheel's `s_tir.dlight.cpu.Reduction` (parallel
    over rows, vectorized elementwise parts) -- these are a tiny share of the time.
 3. Injective functions (SiLU*mul, residual add, embedding take, casts, logits slice):
    everything inlined into one loop nest, parallel over the outer loops, vectorized inside.
@@ -27,7 +28,7 @@ from tvm.target import Target
 
 from ...cpu_features import l2_cache_bytes
 from ..target import amx_bf16, bf16_dot_bits, int8_dot, vector_bits
-from . import bf16, int8, matmul
+from . import bf16, int8, matmul, norm
 from .small import serial_when_small
 
 LOG = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
         ("int8", lambda f: int8.schedule(f, int8_dot(target))),  # int8 activations
         ("bf16", lambda f: bf16.schedule(f, bf16_dot_bits(target), amx_bf16(target))),
         ("matmul", lambda f: matmul.schedule(f, bits, tuning)),
+        ("norm", norm.schedule),
         ("reduction", lambda f: _small(schedule_reduction(f, target))),
         ("injective", lambda f: _small(schedule_injective(f, max(bits // 32, 1)))),
         ("fallback", lambda f: _small(schedule_fallback(f))),
