@@ -46,6 +46,15 @@ loaded as stored (float32 or float16) and widened. Two shapes of work:
   (float32; 28 and 32 rows: 1.0x and 0.87x) or 6 rows (float16: half the bytes; 8 and 9 rows
   lose 5%, 12 rows 20%) the tiles stay. Both kinds of task share one parallel loop, the
   short ones first.
+  Where a short sequence's rows per KV head fill 16-row tiles well enough (at least
+  TILE_WORTH rows per tile they need), its page step is the tiles' instead (`tile_pass`): the
+  same tasks, pages front to back, split and merge, but per page and KV head the rows' tiles
+  (state kept per (KV head, tile) for the whole task) take the page's keys as one 16 x 16
+  chunk each, and their state becomes the rows' running max, sum and output at the end.
+  A tile's page step costs about what 11 rows' decode steps cost (hot pages, 2 threads,
+  9/3 heads: 15 rows per KV head at depth 64 13.9 -> 11.3 us, at depth 320 58.5 -> 45.8;
+  12 rows 12.3 -> 11.4 and 46.5 -> 43.6; 9 rows 9.7 -> 11.0 and 37.1 -> 43.6, so they stay
+  rows; 14/2 heads, 14 rows at depth 320: 36.0 -> 30.6; 21 rows, two tiles: 55.9 -> 57.1).
 * Few new tokens among themselves (`prefill_ragged_attention` of a call with at most
   RAGGED_SHORT tokens and keys in all: a verify's ragged part): row by row on the calling
   thread, each (token, head) row over the few keys it sees (a 16-lane product per key summed
@@ -152,6 +161,9 @@ MIN_SPLIT_PAGES = 4  # pages per split chunk: at least 4 (64 keys)
 # float32 pages 24 rows win, 28 and 32 lose; float16 pages (half the bytes, so the tiles' compute
 # matters more) 6 rows win, 8 and 9 lose.
 SHORT_ROWS = {"float32": 24, "float16": 6}
+# A short sequence's page step runs in row tiles from TILE_WORTH rows per KV head and tile
+# needed on (11 rows in one tile, 22 in two; measured in the module docstring).
+TILE_WORTH = 11
 # A ragged call of at most RAGGED_SHORT new tokens and keys in all (a verify of a few tokens)
 # runs row by row on the calling thread (`_short_ragged`), and a merge of at most MERGE_SERIAL
 # rows too: a thread-pool launch and 16-row tiles cost more than such work.
@@ -611,47 +623,75 @@ def _row_tile(D: int, G: int, dtype: str):
     assert D % LANES == 0 and KEYS == LANES  # noqa: S101 (kv_kernels checks `supported`)
 
     @T.macro
-    def chunk(s, qt, acc, st, ri, kref, vref, index, c, visible):
+    def chunk(s, qt, acc, st, ri, kref, vref, index, c, visible, qa, sa):
         """Scores, softmax update and output update for keys c*KEYS .. c*KEYS+KEYS-1, read
-        from kref/vref at index(which, cc, d). st rows: running max, new max, sum, rescale."""
+        from kref/vref at index(which, cc, d), of the tile whose q and output rows start at
+        row qa of qt and acc and whose state rows at row sa of st and ri. st rows: running
+        max, new max, sum, rescale."""
         for cc in T.unroll(KEYS):
             for r in T.vectorized(LANES):
                 s[cc, r] = T.float32(0)
         for d in T.serial(D):
             for cc in T.unroll(KEYS):
                 for r in T.vectorized(LANES):
-                    s[cc, r] = s[cc, r] + qt[d, r] * kref[index(0, cc, d)].astype("float32")
+                    s[cc, r] = s[cc, r] + qt[qa + d, r] * kref[index(0, cc, d)].astype("float32")
         for r in T.vectorized(LANES):
-            st[1, r] = st[0, r]
+            st[sa + 1, r] = st[sa, r]
         for cc in T.unroll(KEYS):
             for r in T.vectorized(LANES):
                 s[cc, r] = T.Select(
-                    visible(c * KEYS + cc, ri[0, r], ri[1, r]), s[cc, r], T.float32(MASKED)
+                    visible(c * KEYS + cc, ri[sa, r], ri[sa + 1, r]), s[cc, r], T.float32(MASKED)
                 )
-                st[1, r] = T.max(st[1, r], s[cc, r])
+                st[sa + 1, r] = T.max(st[sa + 1, r], s[cc, r])
         for r in T.vectorized(LANES):
-            st[3, r] = exp2_nonpositive(st[0, r] - st[1, r])
-            st[2, r] = st[2, r] * st[3, r]
-            st[0, r] = st[1, r]
+            st[sa + 3, r] = exp2_nonpositive(st[sa, r] - st[sa + 1, r])
+            st[sa + 2, r] = st[sa + 2, r] * st[sa + 3, r]
+            st[sa, r] = st[sa + 1, r]
         for cc in T.unroll(KEYS):
             for r in T.vectorized(LANES):
                 s[cc, r] = T.Select(
                     s[cc, r] > T.float32(MASKED / 2),
-                    exp2_nonpositive(s[cc, r] - st[0, r]),
+                    exp2_nonpositive(s[cc, r] - st[sa, r]),
                     T.float32(0),
                 )
-                st[2, r] = st[2, r] + s[cc, r]
+                st[sa + 2, r] = st[sa + 2, r] + s[cc, r]
         # Four output dimensions at a time: four independent chains of multiply-adds.
         for d4 in T.serial(D // 4):
             for dd in T.unroll(4):
                 for r in T.vectorized(LANES):
-                    acc[d4 * 4 + dd, r] = acc[d4 * 4 + dd, r] * st[3, r]
+                    acc[qa + d4 * 4 + dd, r] = acc[qa + d4 * 4 + dd, r] * st[sa + 3, r]
             for cc in T.unroll(KEYS):
                 for dd in T.unroll(4):
                     for r in T.vectorized(LANES):
-                        acc[d4 * 4 + dd, r] = acc[d4 * 4 + dd, r] + s[cc, r] * vref[
+                        acc[qa + d4 * 4 + dd, r] = acc[qa + d4 * 4 + dd, r] + s[cc, r] * vref[
                             index(1, cc, d4 * 4 + dd)
                         ].astype("float32")
+
+    @T.macro
+    def start(
+        q, sm_scale, q_begin, q_n, t, hk, row_lim, row_order, qt, acc, st, ri, kc, s, vc, qa, sa
+    ):
+        """Set up tile t of KV head hk (rows t*16 .. t*16+15 of the sequence's q_n * G (token,
+        head) rows; rows past the end repeat the last one) at row qa of qt/acc and sa of
+        st/ri: per row its mask values (row_lim(tok), row_order(tok)), output row and head,
+        q scaled to log2 units and transposed (one row per lane; kc, s and vc are scratch),
+        an empty softmax state and a zero output."""
+        for r in T.serial(LANES):
+            ri[sa + 2, r] = T.min(t * LANES + r, q_n * G - 1) // G  # the token, in the sequence
+            ri[sa + 3, r] = hk * G + T.min(t * LANES + r, q_n * G - 1) % G
+            ri[sa, r] = row_lim(ri[sa + 2, r])
+            ri[sa + 1, r] = row_order(ri[sa + 2, r])
+            ri[sa + 2, r] = q_begin + ri[sa + 2, r]
+            for d in T.vectorized(D):  # q rows, scaled to log2 units, transposed below
+                kc[r, d] = q[ri[sa + 2, r], ri[sa + 3, r], d].astype("float32") * (sm_scale * LOG2E)
+        for b in T.serial(D // LANES):
+            _transpose16(qt, qa + b * LANES, 0, kc, 0, b * LANES, s, vc)
+        for r in T.vectorized(LANES):
+            st[sa, r] = T.float32(EMPTY)
+            st[sa + 2, r] = T.float32(0)
+        for d in T.serial(D):
+            for r in T.vectorized(LANES):
+                acc[qa + d, r] = T.float32(0)
 
     @T.macro
     def tile(
@@ -684,22 +724,9 @@ def _row_tile(D: int, G: int, dtype: str):
         vc = T.sblock_alloc_buffer((KEYS, D), "float32", scope="local")
         st = T.sblock_alloc_buffer((4, LANES), "float32")  # softmax state, see chunk
         ri = T.sblock_alloc_buffer((4, LANES), "int32")  # per row: lim, order, row, head
-        for r in T.serial(LANES):
-            ri[2, r] = T.min(t * LANES + r, q_n * G - 1) // G  # the token, within the sequence
-            ri[3, r] = hk * G + T.min(t * LANES + r, q_n * G - 1) % G
-            ri[0, r] = row_lim(ri[2, r])
-            ri[1, r] = row_order(ri[2, r])
-            ri[2, r] = q_begin + ri[2, r]
-            for d in T.vectorized(D):  # q rows, scaled to log2 units, transposed below
-                kc[r, d] = q[ri[2, r], ri[3, r], d].astype("float32") * (sm_scale * LOG2E)
-        for b in T.serial(D // LANES):
-            _transpose16(qt, b * LANES, 0, kc, 0, b * LANES, s, vc)
-        for r in T.vectorized(LANES):
-            st[0, r] = T.float32(EMPTY)
-            st[2, r] = T.float32(0)
-        for d in T.serial(D):
-            for r in T.vectorized(LANES):
-                acc[d, r] = T.float32(0)
+        start(
+            q, sm_scale, q_begin, q_n, t, hk, row_lim, row_order, qt, acc, st, ri, kc, s, vc, 0, 0
+        )
         for c in T.serial(_first_chunk(first_key), (n_keys + KEYS - 1) // KEYS):
             if _direct_chunk(widen, c, kv_n, first_key):
                 chunk(
@@ -713,6 +740,8 @@ def _row_tile(D: int, G: int, dtype: str):
                     lambda which, cc, d: full_index(which, c, cc, d),
                     c,
                     visible,
+                    0,
+                    0,
                 )
             else:
                 for cc in T.serial(KEYS):
@@ -724,7 +753,7 @@ def _row_tile(D: int, G: int, dtype: str):
                         for d in T.vectorized(D):
                             kc[cc, d] = T.float32(0)
                             vc[cc, d] = T.float32(0)
-                chunk(s, qt, acc, st, ri, kc, vc, lambda which, cc, d: (cc, d), c, visible)
+                chunk(s, qt, acc, st, ri, kc, vc, lambda which, cc, d: (cc, d), c, visible, 0, 0)
         for r in T.vectorized(LANES):
             st[3, r] = T.Select(st[2, r] > 0, T.float32(1) / st[2, r], T.float32(0))
         for d in T.serial(D):
@@ -739,7 +768,7 @@ def _row_tile(D: int, G: int, dtype: str):
             for d in T.vectorized(D):
                 output[ri[2, r], ri[3, r], d] = kc[r, d].astype(output.dtype)
 
-    return tile
+    return tile, start, chunk
 
 
 @T.macro
@@ -867,7 +896,7 @@ def prefill_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
     (RAGGED_SHORT)."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     G = H_qo // H_kv
-    tile = _row_tile(D, G, dtype)
+    tile = _row_tile(D, G, dtype)[0]
     short_rows = _short_ragged(H_qo, G, D)
 
     @T.prim_func(s_tir=True)
@@ -987,6 +1016,7 @@ def prefill_paged_attention(
     dtype: str,
     short_rows: int | None = None,
     window: int | None = None,
+    tile_worth: int | None = None,
 ):
     """A chunk of new tokens per sequence attends to the sequence's cached (paged) K/V (RoPE
     already applied). A sequence of few new tokens (at most short_rows // G: a verify step)
@@ -998,12 +1028,15 @@ def prefill_paged_attention(
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     info = _LengthInfo(window)
     G = H_qo // H_kv
-    tile = _row_tile(D, G, dtype)
+    tile, tile_start, tile_chunk = _row_tile(D, G, dtype)
     scores, values = _page_macros(G, D)
     prefetch = _row_prefetch(D, dtype)
     if short_rows is None:
         short_rows = SHORT_ROWS[dtype]
+    if tile_worth is None:
+        tile_worth = TILE_WORTH
     QMAX = max(1, short_rows // G)  # new tokens of a short sequence, at most
+    TMAX = (QMAX * G + LANES - 1) // LANES  # row tiles per KV head of a short sequence
     MAX_CHUNKS = 2 * SPLIT_TASKS  # as in decode
     widen = dtype != "float32"
 
@@ -1068,6 +1101,57 @@ def prefill_paged_attention(
                         tok * H_qo,
                         _page_start(first_slot, tok, pg),
                         T.min(PAGE, n - pg * PAGE),
+                    )
+
+    @T.macro
+    def tile_pass(tq, tacc, tst, tri, ts, tk, tv, src, page, pg, n, tiles, pool, nxt, first_key):
+        """Page pg (slot `page` of src) for every row, in row tiles: per KV head its K/V rows
+        (a page with slots the rows must not read, past the end or before a window, copied
+        into the zero-filled tk/tv first, as is every float16 page, widened), then the page
+        step of each of its `tiles` tiles; the next page `nxt` of `pool` prefetched alongside."""
+        for hk in T.serial(H_kv):
+            prefetch(pool, nxt, 0, hk)
+            prefetch(pool, nxt, 1, hk)
+            if _direct_chunk(widen, pg, n, first_key):
+                for t in T.serial(tiles):
+                    tile_chunk(
+                        ts,
+                        tq,
+                        tacc,
+                        tst,
+                        tri,
+                        src,
+                        src,
+                        lambda which, cc, d: (page, which, hk, cc, d),
+                        pg,
+                        row_visible,
+                        (hk * TMAX + t) * D,
+                        (hk * TMAX + t) * 4,
+                    )
+            else:
+                for cc in T.serial(KEYS):
+                    if _in_range(pg * KEYS + cc, first_key, n):
+                        for d in T.vectorized(D):
+                            tk[cc, d] = src[page, 0, hk, cc, d].astype("float32")
+                            tv[cc, d] = src[page, 1, hk, cc, d].astype("float32")
+                    else:
+                        for d in T.vectorized(D):
+                            tk[cc, d] = T.float32(0)
+                            tv[cc, d] = T.float32(0)
+                for t in T.serial(tiles):
+                    tile_chunk(
+                        ts,
+                        tq,
+                        tacc,
+                        tst,
+                        tri,
+                        tk,
+                        tv,
+                        lambda which, cc, d: (cc, d),
+                        pg,
+                        row_visible,
+                        (hk * TMAX + t) * D,
+                        (hk * TMAX + t) * 4,
                     )
 
     @T.prim_func(s_tir=True)
@@ -1197,48 +1281,130 @@ def prefill_paged_attention(
                             skip(causal, page_indptr, length_info, b) + c * chunk_pages
                         )
                         end_page: T.let[T.int32] = T.min(num_pages, first_page + chunk_pages)
-                        for r in T.serial(q_n * H_qo):
-                            for d in T.vectorized(D):
-                                qv[r * D + d] = q[q_begin + r // H_qo, r % H_qo, d].astype(
-                                    "float32"
-                                ) * (sm_scale * LOG2E)
-                                acc[r * D + d] = T.float32(0)
-                            for j in T.vectorized(LANES):
-                                den[r, j] = T.float32(0)
-                            m[r] = T.float32(EMPTY)
-                        for pg in T.serial(first_page, end_page):
-                            nxt: T.let[T.int32] = page_values[
-                                begin + T.min(pg + PREFETCH_PAGES, num_pages - 1)
-                            ]
-                            if widen:
-                                # float16: the page widened once, not once per row
-                                for w in T.serial(2):
-                                    for hk in T.serial(H_kv):
-                                        for cc in T.serial(PAGE):
-                                            for d in T.vectorized(D):
-                                                wide[0, w, hk, cc, d] = pages[
-                                                    page_values[begin + pg], w, hk, cc, d
-                                                ].astype("float32")
-                            page_pass(
-                                qv,
-                                acc,
-                                sc,
-                                ra,
-                                rb,
-                                hx,
-                                p,
-                                m,
-                                den,
-                                wide if widen else pages,  # (widen: a Python bool)
-                                0 if widen else page_values[begin + pg],
-                                pg,
-                                n,
-                                q_n,
-                                causal,
-                                pages,
-                                nxt,
-                                first_slots(causal, page_indptr, length_info, b),
-                            )
+                        if q_n * G >= tile_worth * T.ceildiv(q_n * G, LANES):
+                            # Row tiles per KV head, their state turned into rows at the end.
+                            tq = T.sblock_alloc_buffer((H_kv * TMAX * D, LANES), "float32")
+                            tacc = T.sblock_alloc_buffer((H_kv * TMAX * D, LANES), "float32")
+                            tst = T.sblock_alloc_buffer((H_kv * TMAX * 4, LANES), "float32")
+                            tri = T.sblock_alloc_buffer((H_kv * TMAX * 4, LANES), "int32")
+                            ts = T.sblock_alloc_buffer((KEYS, LANES), "float32")
+                            tk = T.sblock_alloc_buffer((KEYS, D), "float32")
+                            tv = T.sblock_alloc_buffer((KEYS, D), "float32")
+                            tiles: T.let[T.int32] = T.ceildiv(q_n * G, LANES)
+                            for hk in T.serial(H_kv):
+                                for t in T.serial(tiles):
+                                    tile_start(
+                                        q,
+                                        sm_scale,
+                                        q_begin,
+                                        q_n,
+                                        t,
+                                        hk,
+                                        row_end(causal, n, q_n),
+                                        _row_first(
+                                            first_slots(causal, page_indptr, length_info, b)
+                                        ),
+                                        tq,
+                                        tacc,
+                                        tst,
+                                        tri,
+                                        tk,
+                                        ts,
+                                        tv,
+                                        (hk * TMAX + t) * D,
+                                        (hk * TMAX + t) * 4,
+                                    )
+                            for pg in T.serial(first_page, end_page):
+                                tile_pass(
+                                    tq,
+                                    tacc,
+                                    tst,
+                                    tri,
+                                    ts,
+                                    tk,
+                                    tv,
+                                    pages,
+                                    page_values[begin + pg],
+                                    pg,
+                                    n,
+                                    tiles,
+                                    pages,
+                                    page_values[begin + T.min(pg + PREFETCH_PAGES, num_pages - 1)],
+                                    _tile_first_key(
+                                        first_slots(causal, page_indptr, length_info, b), 0, G
+                                    ),
+                                )
+                            for hk in T.serial(H_kv):
+                                for t in T.serial(tiles):
+                                    for b16 in T.serial(D // LANES):
+                                        _transpose16(
+                                            tk,
+                                            0,
+                                            b16 * LANES,
+                                            tacc,
+                                            (hk * TMAX + t) * D + b16 * LANES,
+                                            0,
+                                            ts,
+                                            tv,
+                                        )
+                                    for r in T.serial(T.min(LANES, q_n * G - t * LANES)):
+                                        row: T.let[T.int32] = (
+                                            (t * LANES + r) // G * H_qo
+                                            + hk * G
+                                            + (t * LANES + r) % G
+                                        )
+                                        for d in T.vectorized(D):
+                                            acc[row * D + d] = tk[r, d]
+                                        for j in T.vectorized(LANES):
+                                            den[row, j] = T.Select(
+                                                j == 0,
+                                                tst[(hk * TMAX + t) * 4 + 2, r],
+                                                T.float32(0),
+                                            )
+                                        m[row] = tst[(hk * TMAX + t) * 4, r]
+                        else:
+                            for r in T.serial(q_n * H_qo):
+                                for d in T.vectorized(D):
+                                    qv[r * D + d] = q[q_begin + r // H_qo, r % H_qo, d].astype(
+                                        "float32"
+                                    ) * (sm_scale * LOG2E)
+                                    acc[r * D + d] = T.float32(0)
+                                for j in T.vectorized(LANES):
+                                    den[r, j] = T.float32(0)
+                                m[r] = T.float32(EMPTY)
+                            for pg in T.serial(first_page, end_page):
+                                nxt: T.let[T.int32] = page_values[
+                                    begin + T.min(pg + PREFETCH_PAGES, num_pages - 1)
+                                ]
+                                if widen:
+                                    # float16: the page widened once, not once per row
+                                    for w in T.serial(2):
+                                        for hk in T.serial(H_kv):
+                                            for cc in T.serial(PAGE):
+                                                for d in T.vectorized(D):
+                                                    wide[0, w, hk, cc, d] = pages[
+                                                        page_values[begin + pg], w, hk, cc, d
+                                                    ].astype("float32")
+                                page_pass(
+                                    qv,
+                                    acc,
+                                    sc,
+                                    ra,
+                                    rb,
+                                    hx,
+                                    p,
+                                    m,
+                                    den,
+                                    wide if widen else pages,  # (widen: a Python bool)
+                                    0 if widen else page_values[begin + pg],
+                                    pg,
+                                    n,
+                                    q_n,
+                                    causal,
+                                    pages,
+                                    nxt,
+                                    first_slots(causal, page_indptr, length_info, b),
+                                )
                         for r in T.serial(q_n * H_qo):
                             hx[1, 0] = T.float32(0)
                             for j in T.serial(LANES):
@@ -1334,7 +1500,7 @@ def tree_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
     (TVM's `batch_tree_attn`, same signature; rotary_mode must be 0)."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     G = H_qo // H_kv
-    tile = _row_tile(D, G, dtype)
+    tile = _row_tile(D, G, dtype)[0]
 
     @T.prim_func(s_tir=True)
     def batch_tree_attn(
@@ -1434,7 +1600,7 @@ def tree_paged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dt
     tree's K/V were appended before attention)."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     G = H_qo // H_kv
-    tile = _row_tile(D, G, dtype)
+    tile = _row_tile(D, G, dtype)[0]
 
     @T.prim_func(s_tir=True)
     def tree_attn_paged_kv_cpu(

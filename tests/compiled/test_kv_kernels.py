@@ -165,14 +165,16 @@ def test_decode(shape, dtype):
 def test_page_prefetch(factory, dtype):
     # the decode-structure kernels prefetch, per page and KV head, every 64-byte line of the
     # next page's 16 K and 16 V rows (in the loop over KV heads); numerics: the tests above
-    # (the last page prefetches itself)
+    # (the last page prefetches itself). The paged prefill has two page steps, by rows and
+    # by row tiles, and each prefetches.
     h_qo, h_kv, d = 9, 3, 64
     func = factory(h_kv, h_qo, d, dtype).with_attr("global_symbol", "main")
     llvm_ir = tvm.compile(tvm.IRModule({"main": func}), target=cpu_target()).mod.inspect_source(
         "ll"
     )
     lines = 2 * A.PAGE * d * np.dtype(dtype).itemsize // 64
-    assert llvm_ir.count("call void @llvm.prefetch") == lines
+    passes = 2 if factory is A.prefill_paged_attention else 1
+    assert llvm_ir.count("call void @llvm.prefetch") == passes * lines
 
 
 # Batches below A.SPLIT_TASKS sequences split a sequence of more than A.MIN_SPLIT_PAGES pages
@@ -308,7 +310,7 @@ PAGED_LENS = {
 }
 
 
-@pytest.mark.parametrize("q_len", [1, 2, 4, 8, 9, 17])
+@pytest.mark.parametrize("q_len", [1, 2, 4, 8, 9, 12, 17, 23])
 @pytest.mark.parametrize("causal", [0, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 2, 64), (9, 3, 64), (14, 2, 64)], ids=["G1", "G3", "G7"])
