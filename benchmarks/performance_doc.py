@@ -322,7 +322,46 @@ def _gap_ngram(spec: dict, cases: list[dict]) -> str:
         f"End to end ({costs}). A step's cost is the verify's kernels (see the cost of a "
         "K-token step above), the lookup and the acceptance bookkeeping in Python; its yield "
         "is what prompt lookup finds on these prompts, and the adaptive length backs off where "
-        f"drafts keep failing.{ceiling}"
+        f"drafts keep failing.{ceiling}{_replay(spec, cases)}"
+    )
+
+
+def _replay(spec: dict, cases: list[dict]) -> str:
+    """What the draft-length policies make of plain decoding's answers at the measured step
+    costs (speculative.py's `replay`, see benchmarks/spec_replay.py)."""
+    replay = spec.get("replay") or {}
+    parts = []
+    for model in dict.fromkeys(x["model"] for x in cases if x["mode"] == "ngram"):
+        r = replay.get(model)
+        if not r:
+            continue
+        fixed = r["fixed"][str(r["best_fixed"])]
+        scale = r["increment_scale"]
+        needs = (
+            "not even free verifies would reach it"
+            if scale is None
+            else f"verifies costing {scale:.2f} of their measured extra over a plain step "
+            "would reach it with the adaptive length"
+        )
+        parts.append(
+            f"{MODEL_NAMES[model]}: adaptive {r['adaptive']['speedup']:.2f}x "
+            f"({r['adaptive']['tokens_per_forward']:.2f} tokens per forward), the best fixed "
+            f"length (K={r['best_fixed']}) {fixed['speedup']:.2f}x, each step's best length "
+            f"in hindsight {r['hindsight']['speedup']:.2f}x "
+            f"({r['hindsight']['tokens_per_forward']:.2f}); {needs}"
+        )
+    if not parts:
+        return ""
+    depth = next(r["cost_depth"] for r in replay.values())
+    return (
+        " Replayed without the model (`benchmarks/spec_replay.py`: the engine decodes plain "
+        "decoding's answers again with a runner that answers as the model did, and a step "
+        "costs what the run's own cost table says: kernels only, measured at a depth of "
+        f"{depth} tokens): "
+        + "; ".join(parts)
+        + ". A policy picks each length before its verify; the hindsight figure is the most "
+        "that knowing every draft's outcome in advance would make of this drafter at these "
+        "costs."
     )
 
 

@@ -1071,6 +1071,8 @@ def main() -> None:
 
 
 def write_report(raw: dict, out_json: Path) -> None:
+    from spec_replay import replay_report  # imports mlcrun: after mlcrun_code set the path
+
     from mlcrun.tokenizer import Tokenizer
 
     variants = [Variant(**v) for v in raw["variants"]]
@@ -1097,6 +1099,8 @@ def write_report(raw: dict, out_json: Path) -> None:
         "warmups": raw["warmups"],
         "targets": targets,
         "results": rows,
+        # plain decoding's grounded answers replayed through prompt lookup (spec_replay.py)
+        "replay": replay_report(raw, next(t[2] for t in TARGETS if t[0] == "ngram-grounded")),
         "samples": {v.key: [strip_tokens(s) for s in v.samples] for v in variants},
     }
     print_table(rows, targets, Settings(**raw["settings"]))
