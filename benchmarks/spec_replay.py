@@ -49,7 +49,6 @@ from mlcrun.engine.spec.ngram import NgramDrafter  # noqa: E402
 from mlcrun.engine.types import SamplingParams  # noqa: E402
 
 DEFAULT_RAW = ROOT / ".cache" / "speculative" / "raw-speculative.json"
-TARGET = 1.5  # speculative.py's ngram-grounded target
 PAGE, CHUNK = 16, 512  # the replay's KV page and prefill chunk (they do not change a decode)
 KIND = "grounded"
 
@@ -79,7 +78,7 @@ def _forward_costs(runner: FakeRunner, costs: CostModel) -> tuple[float, int]:
 def _engine_replay(answers: list, costs: CostModel, draft_length: int = 0) -> dict:
     """The engine's ngram decoding of every answer (batch 1), timed on `costs`."""
     vocab = 1 + max(max(ids + out) for ids, out in answers)
-    seconds = forwards = tokens = 0
+    seconds = forwards = 0
     for ids, out in answers:
         runner = ScriptRunner(vocab_size=vocab, script=out, script_from=len(ids))
         window = -(-(len(ids) + len(out) + 1) // PAGE) * PAGE
@@ -103,14 +102,14 @@ def _engine_replay(answers: list, costs: CostModel, draft_length: int = 0) -> di
         if got[0].token_ids != out:
             raise RuntimeError("the replay did not reproduce the recorded answer")
         s, f = _forward_costs(runner, costs)
-        seconds, forwards, tokens = seconds + s, forwards + f, tokens + len(out) - 1
-    return _result(answers, costs, seconds, forwards, tokens)
+        seconds, forwards = seconds + s, forwards + f
+    return _result(answers, costs, seconds, forwards)
 
 
 def _hindsight(answers: list, costs: CostModel, max_k: int, ngram_max: int) -> dict:
     """Each step's best draft length, knowing the outcome (see the module doc)."""
     drafter = NgramDrafter(ngram_max)
-    seconds = forwards = tokens = 0
+    seconds = forwards = 0
     for ids, out in answers:
         p = 0  # out[p]: the pending token
         while p < len(out) - 1:
@@ -125,13 +124,17 @@ def _hindsight(answers: list, costs: CostModel, max_k: int, ngram_max: int) -> d
             seconds += costs.verify_cost(1, best[2])
             forwards += 1
             p += 1 + best[1]
-        tokens += len(out) - 1
-    return _result(answers, costs, seconds, forwards, tokens)
+    return _result(answers, costs, seconds, forwards)
 
 
-def _result(answers, costs: CostModel, seconds: float, forwards: int, tokens: int) -> dict:
-    plain = sum(len(out) - 1 for _, out in answers) * costs.verify_cost(1, 1)
-    return {"speedup": plain / seconds, "tokens_per_forward": tokens / forwards}
+def _result(answers, costs: CostModel, seconds: float, forwards: int) -> dict:
+    """Speedup over plain decoding's steps at the plain cost, and tokens per forward (the
+    tokens after the first of every answer)."""
+    tokens = sum(len(out) - 1 for _, out in answers)
+    return {
+        "speedup": tokens * costs.verify_cost(1, 1) / seconds,
+        "tokens_per_forward": tokens / forwards,
+    }
 
 
 def _scaled(costs: CostModel, scale: float) -> CostModel:
@@ -143,14 +146,17 @@ def _scaled(costs: CostModel, scale: float) -> CostModel:
     return CostModel(verify, dict(costs.draft))
 
 
-def increment_scale(answers: list, costs: CostModel, target: float) -> float | None:
+def increment_scale(
+    answers: list, costs: CostModel, target: float, measured: float
+) -> float | None:
     """The scale of the verifies' extra cost at which the adaptive replay reaches `target`
-    (None: not even free verifies would)."""
+    (1.0: it does at the measured costs, where it makes `measured`; None: not even free
+    verifies would)."""
+    if measured >= target:
+        return 1.0
     if _engine_replay(answers, _scaled(costs, 0.0))["speedup"] < target:
         return None
     lo, hi = 0.0, 1.0
-    if _engine_replay(answers, costs)["speedup"] >= target:
-        return 1.0
     for _ in range(12):
         mid = (lo + hi) / 2
         if _engine_replay(answers, _scaled(costs, mid))["speedup"] >= target:
@@ -160,25 +166,26 @@ def increment_scale(answers: list, costs: CostModel, target: float) -> float | N
     return lo
 
 
-def replay_model(answers: list, costs: CostModel, target: float = TARGET) -> dict:
+def replay_model(answers: list, costs: CostModel, target: float) -> dict:
     defaults = EngineConfig()
     max_k, ngram_max = defaults.spec_max_draft_length, defaults.ngram_max
+    adaptive = _engine_replay(answers, costs)
     fixed = {k: _engine_replay(answers, costs, k) for k in range(1, max_k + 1)}
     best_k = max(fixed, key=lambda k: fixed[k]["speedup"])
     return {
-        "adaptive": _engine_replay(answers, costs),
+        "adaptive": adaptive,
         "fixed": {str(k): r for k, r in fixed.items()},
         "best_fixed": best_k,
         "hindsight": _hindsight(answers, costs, max_k, ngram_max),
         "target": target,
-        "increment_scale": increment_scale(answers, costs, target),
+        "increment_scale": increment_scale(answers, costs, target, adaptive["speedup"]),
         "cost_depth": DEPTH,  # the sequences' length when the cost table was measured
         "plain_step_s": costs.verify_cost(1, 1),
         "verify_steps_s": {str(n): costs.verify_cost(1, n) for n in range(2, max_k + 2)},
     }
 
 
-def replay_report(raw: dict, target: float = TARGET) -> dict:
+def replay_report(raw: dict, target: float) -> dict:
     """{model: replay_model(...)} for every model whose adaptive ngram run measured its costs
     at warm-up and whose mlcrun plain run has answers."""
     kinds = [p["kind"] for p in raw["prompts"]]
@@ -200,8 +207,10 @@ def replay_report(raw: dict, target: float = TARGET) -> dict:
 
 
 def main() -> None:
+    from speculative import NGRAM_TARGET
+
     raw_file = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_RAW
-    report = replay_report(json.loads(raw_file.read_text()))
+    report = replay_report(json.loads(raw_file.read_text()), NGRAM_TARGET)
     for model, r in report.items():
         fixed = r["fixed"][str(r["best_fixed"])]
         scale = r["increment_scale"]
