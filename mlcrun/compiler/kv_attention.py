@@ -1282,12 +1282,12 @@ def prefill_paged_attention(
                         )
                         end_page: T.let[T.int32] = T.min(num_pages, first_page + chunk_pages)
                         if q_n * G >= tile_worth * T.ceildiv(q_n * G, LANES):
-                            # Row tiles per KV head, their state turned into rows at the end.
+                            # Row tiles per KV head, their state turned into rows at the end;
+                            # a tile's 16 x 16 score block is the rows' `sc` (idle here).
                             tq = T.sblock_alloc_buffer((H_kv * TMAX * D, LANES), "float32")
                             tacc = T.sblock_alloc_buffer((H_kv * TMAX * D, LANES), "float32")
                             tst = T.sblock_alloc_buffer((H_kv * TMAX * 4, LANES), "float32")
                             tri = T.sblock_alloc_buffer((H_kv * TMAX * 4, LANES), "int32")
-                            ts = T.sblock_alloc_buffer((KEYS, LANES), "float32")
                             tk = T.sblock_alloc_buffer((KEYS, D), "float32")
                             tv = T.sblock_alloc_buffer((KEYS, D), "float32")
                             tiles: T.let[T.int32] = T.ceildiv(q_n * G, LANES)
@@ -1309,7 +1309,7 @@ def prefill_paged_attention(
                                         tst,
                                         tri,
                                         tk,
-                                        ts,
+                                        sc,
                                         tv,
                                         (hk * TMAX + t) * D,
                                         (hk * TMAX + t) * 4,
@@ -1320,7 +1320,7 @@ def prefill_paged_attention(
                                     tacc,
                                     tst,
                                     tri,
-                                    ts,
+                                    sc,
                                     tk,
                                     tv,
                                     pages,
@@ -1344,7 +1344,7 @@ def prefill_paged_attention(
                                             tacc,
                                             (hk * TMAX + t) * D + b16 * LANES,
                                             0,
-                                            ts,
+                                            sc,
                                             tv,
                                         )
                                     for r in T.serial(T.min(LANES, q_n * G - t * LANES)):

@@ -20,11 +20,10 @@ from tvm import s_tir, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from .int8 import _bcast, _buffers, _c, _flat, _ramp, _rows, _static, _with_body, lane_tree
+from .int8 import F32, _bcast, _buffers, _c, _flat, _ramp, _rows, _static, _with_body, lane_tree
 from .small import MIN_PARALLEL_ELEMENTS
 
 LANES = 16  # float32 lanes of a 512-bit vector (a narrower vector unit splits them)
-F32 = "float32"
 # The blocks of relax's legalized rms_norm (TOPI), in order.
 TOPI_BLOCKS = [
     "T_cast",
