@@ -75,8 +75,9 @@ def _has(vm, name: str) -> bool:
 def load_params(folder: Path, art: artifact.Artifact, dev, verify: bool = True) -> list[ffi.Tensor]:
     """Params in the order the library's functions take them.
 
-    Each file is read once, front to back: on the CPU straight into the TVM tensors' memory
-    (no mapping, no intermediate copy, so peak memory is the params themselves), and hashed on
+    Each file is read once, front to back: on the CPU straight into the TVM tensors' memory,
+    one arena of huge pages per file (`ffi.arena`; no file mapping, no intermediate copy, so
+    peak memory is the params themselves), and hashed on
     the way when `verify` (params altered after compile are refused), on a second thread, so
     that hashing overlaps reading."""
     specs = {p.name: p for p in art.params}
@@ -142,24 +143,38 @@ def _read_shard(f, path: Path, specs: dict, dev, digest) -> dict[str, ffi.Tensor
     except (ValueError, MemoryError, OverflowError):
         raise MlcrunError(f"{path}: corrupt params file header") from None
     header.pop("__metadata__", None)
-    out = {}
-    pos = 0
+    layout = []  # (name, spec, file offsets, offset in the arena)
+    pos = size = 0
     for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         begin, end = info["data_offsets"]
         spec = specs.get(key)
         if spec is None or tuple(info["shape"]) != tuple(spec.shape) or begin < pos:
             raise MlcrunError(f"{path}: param {key!r} does not match the artifact's config")
+        if ffi.nbytes(spec.shape, spec.dtype) != end - begin:
+            raise MlcrunError(f"{path}: param {key!r} has the wrong size")
+        at = -(-size // ffi.ALIGNMENT) * ffi.ALIGNMENT
+        layout.append((key, spec, begin, end, at))
+        pos, size = end, at + end - begin
+    # On the CPU the params live in one arena per file (huge pages; see ffi.arena), read
+    # straight into it; for another device each is read into host memory of its own, copied
+    # over, and freed.
+    host = ffi.arena(size) if ffi.is_cpu(dev) else None
+    out = {}
+    pos = 0
+    for key, spec, begin, end, at in layout:
         if begin > pos:
             read(begin - pos)  # padding between tensors (hashed like the rest of the file)
-        tensor = ffi.empty(spec.shape, spec.dtype)
-        view = ffi.as_numpy(tensor).reshape(-1).view(np.uint8)
-        if view.nbytes != end - begin:
-            raise MlcrunError(f"{path}: param {key!r} has the wrong size")
+        if host is not None:
+            view = host[at : at + end - begin]
+            tensor = ffi.from_host(view, spec.shape, spec.dtype)
+        else:
+            tensor = ffi.empty(spec.shape, spec.dtype)
+            view = ffi.as_numpy(tensor).reshape(-1).view(np.uint8)
         if f.readinto(view) != view.nbytes:
             raise MlcrunError(f"{path}: truncated params file")
         if digest is not None:
             digest.update(view)
-        out[key] = tensor if ffi.is_cpu(dev) else ffi.copy_to(tensor, dev)
+        out[key] = tensor if host is not None else ffi.copy_to(tensor, dev)
         pos = end
     if digest is not None:
         while chunk := f.read(1 << 20):  # trailing bytes, if any, are part of the hash too

@@ -226,3 +226,16 @@ def test_cuda_compiles_without_a_gpu(ckpt, tmp_path):
     if not tvm.cuda(0).exist:
         with pytest.raises(MlcrunError, match="no CUDA GPU"):
             Model(out)
+
+
+def test_params_are_aligned_views_of_one_arena(artifacts):
+    """Every param starts on the 64 bytes compiled kernels assume, inside its file's arena
+    (ffi.arena: one mapping that starts on a huge page), in file order."""
+    model = Model(artifacts("llama"))
+    (path,) = (artifacts("llama") / "params").glob("*.safetensors")
+    order = list(load_file(str(path)))  # safetensors keeps the file's order
+    by_name = dict(zip([p.name for p in model.artifact.params], model._params))
+    pointers = [by_name[name].data_ptr() for name in order]
+    assert all(ptr % 64 == 0 for ptr in pointers)
+    assert pointers[0] % (2 << 20) == 0
+    assert pointers == sorted(pointers)
