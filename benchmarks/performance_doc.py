@@ -1125,7 +1125,12 @@ def spec_section(spec: dict | None) -> list[str]:
         f"On {spec['created']}, {code_version(spec)}: {m['cpu']}, {m['cores']} cores, "
         f"{m['memory_gib']} GiB; "
         f"**{spec['threads']} threads for every engine**, median of {spec['rounds']} "
-        "interleaved rounds, each (engine, model, mode) in a fresh process. Versions: "
+        + (
+            f"rounds, each in its own random order (seed {spec['seed']}), "
+            if "seed" in spec
+            else "interleaved rounds, "
+        )
+        + "each (engine, model, mode) in a fresh process. Versions: "
         f"{versions}.",
         "",
         "SmolLM2-135M-Instruct at **q4** (the default model's GGUF, Q4_1 layers and Q8_0 "

@@ -2,8 +2,8 @@
 transformers' prompt lookup beside them; same prompts, same machine, same threads, one run.
 
     .venv/bin/python benchmarks/speculative.py [--models q4,f32]
-        [--engines mlcrun,llama.cpp,transformers] [--rounds 2] [--threads N] [--quick]
-        [--commit REV] [--json benchmarks/results/speculative.json]
+        [--engines mlcrun,llama.cpp,transformers] [--rounds 2] [--seed S] [--threads N]
+        [--quick] [--commit REV] [--json benchmarks/results/speculative.json]
 
 Models: SmolLM2-135M-Instruct. `q4` is the default model's GGUF (Q4_1 layers, Q8_0 embedding):
 mlcrun compiles it with `-q auto` (q4f16_1+q8f32), llama.cpp runs the file itself. `f32` is the
@@ -17,14 +17,18 @@ code) and 6 open chat prompts, rendered with the model's chat template by mlcrun
 the same token ids for every engine. Greedy, 256 new tokens, EOS ignored (generation goes on
 past it), so every engine generates exactly 256 tokens of every prompt.
 
-Every (engine, model, mode) runs in its own fresh process, interleaved round by round; medians
-over rounds. Per process: a short warm-up, then each prompt alone (batch 1): decode tokens/s
-(tokens after the first over the time after the first) and what the drafts did; for mlcrun's
-plain and adaptive modes also 16 concurrent requests (the prompts cycled, 256 tokens each):
-generated tokens over wall time. mlcrun's adaptive draft length measures step costs at its
-first start and caches them in $MLCRUN_HOME/spec-costs; $MLCRUN_HOME is
-benchmarks/.cache/speculative/mlcrun-home and one warm-up start per configuration precedes the
-rounds, so no measured process pays for it (and only generation is timed anyway).
+Every (engine, model, mode) runs in its own fresh process, interleaved round by round, each
+round in a random order (compare.py's `round_orders`: a fresh shuffle per round from one seeded
+generator; the seed and the orders go into the JSON), so that no mode always runs first or
+after another (a process's placement moves a 16-way run by a few percent: in one process, F32
+`self` with no draft at all ran 3.6% faster than plain, while fixed-order rounds had it 3.5%
+slower); medians over rounds. Per process: a short warm-up, then each prompt alone (batch 1):
+decode tokens/s (tokens after the first over the time after the first) and what the drafts did;
+for mlcrun's plain and adaptive modes also 16 concurrent requests (the prompts cycled, 256
+tokens each): generated tokens over wall time. mlcrun's adaptive draft length measures step
+costs at its first start and caches them in $MLCRUN_HOME/spec-costs; $MLCRUN_HOME is
+benchmarks/.cache/speculative/mlcrun-home and one warm-up start per configuration precedes
+the rounds, so no measured process pays for it (and only generation is timed anyway).
 
 Modes: mlcrun plain, ngram (adaptive K; K=5), self (F32 only: adaptive; K=3), draft (F32 target,
 the q4 artifact as the draft model: the only smaller model with SmolLM2's tokenizer available
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shlex
 import shutil
 import statistics
@@ -983,6 +988,9 @@ def main() -> None:
     parser.add_argument("--engines", default=",".join(ENGINES), help="default: %(default)s")
     parser.add_argument("--rounds", type=int, help="interleaved; median reported (default 2)")
     parser.add_argument(
+        "--seed", type=int, help="seed of the rounds' orders (default: drawn, recorded in the JSON)"
+    )
+    parser.add_argument(
         "--threads", type=int, default=os.cpu_count(), help="every engine (default: all CPUs)"
     )
     parser.add_argument(
@@ -1043,8 +1051,12 @@ def main() -> None:
             result = run_worker("mlcrun-warmup", v.spec(), prompts_file, args.threads, args.quick)
             warmups[v.key] = result
             log_result("warm-up", v.key, result)
-    for r in range(rounds):
-        for v in variants:
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    orders = compare.round_orders([v.key for v in variants], rounds, seed)
+    by_key = {v.key: v for v in variants}
+    for r, order in enumerate(orders):
+        for key in order:
+            v = by_key[key]
             sample = run_worker(v.engine, v.spec(), prompts_file, args.threads, args.quick)
             v.samples.append(sample)
             log_result(f"round {r + 1}/{rounds}", v.key, sample)
@@ -1056,6 +1068,8 @@ def main() -> None:
         "load_after": os.getloadavg(),
         "threads": args.threads,
         "rounds": rounds,
+        "seed": seed,
+        "orders": orders,
         "quick": args.quick,
         "settings": asdict(settings),
         "preparation": info,
@@ -1087,6 +1101,7 @@ def write_report(raw: dict, out_json: Path) -> None:
         **{k: raw[k] for k in ("created", "started", "command", "load_before", "load_after")},
         "machine": compare.machine(),
         **{k: raw[k] for k in ("threads", "rounds", "quick", "settings")},
+        **{k: raw[k] for k in ("seed", "orders") if k in raw},  # runs before: fixed order
         "versions": compare.versions(),
         "llama_cpp_system_info": llama[0]["system_info"] if llama else None,
         "preparation": raw["preparation"],
