@@ -386,6 +386,14 @@ def _gap_tput(spec: dict, cases: list[dict]) -> str:
         "probes and the adaptive bookkeeping are what a speculative engine does beyond plain "
         "decoding here."
     )
+    idle = [name for name, n in drafted.items() if n == 0]
+    if idle:  # no draft, no verify: the same forwards as plain decoding, in another process
+        whose = "their" if len(idle) > 1 else "its"
+        text += (
+            f" {' and '.join(idle)} drafted nothing at all, so {whose} steps were plain decode"
+            " steps: what separates them from plain is the process they ran in (each mode"
+            " runs in a fresh one), not speculation."
+        )
     if per_round:
         rounds = "; ".join(
             f"{name} {', '.join(f'{r:.2f}x' for r in ratios)}" for name, ratios in per_round
