@@ -7,13 +7,15 @@ import sys
 import pytest
 
 
-def run_cli(*args, env):
+def run_cli(*args, env, unset=()):
+    """`mlcrun ARGS` with `env` added to this environment and the `unset` names removed."""
+    full = {k: v for k, v in {**os.environ, **env}.items() if k not in unset}
     return subprocess.run(
         [sys.executable, "-m", "mlcrun", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, **env},
+        env=full,
     )
 
 
@@ -33,14 +35,7 @@ def test_empty_tvm_num_threads_is_unset(artifacts):
     empty = run_cli(*args, env={"TVM_NUM_THREADS": ""})
     assert empty.returncode == 0, empty.stderr
     assert empty.stderr == ""
-    unset_env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
-    unset = subprocess.run(
-        [sys.executable, "-m", "mlcrun", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=unset_env,
-    )
+    unset = run_cli(*args, env={}, unset=("TVM_NUM_THREADS",))
     assert unset.returncode == 0, unset.stderr
     assert empty.stdout == unset.stdout
 
