@@ -77,12 +77,12 @@ def profile_decode(
     model.create_kv_cache(max_num_sequence=batch, max_total_sequence_length=capacity)
     rng = np.random.default_rng(0)
     seqs = list(range(batch))
+    chunk = model.artifact.prefill_chunk
     for s in seqs:
         model.add_new_sequence(s)
-        if depth:
-            model.batch_prefill(
-                model.token_embed(rng.integers(0, 100, depth).tolist()), [s], [depth]
-            )
+        for start in range(0, depth, chunk):
+            n = min(chunk, depth - start)
+            model.batch_prefill(model.token_embed(rng.integers(0, 100, n).tolist()), [s], [n])
     ids = rng.integers(0, 100, batch * tokens).tolist()
     chain = list(range(-1, tokens - 1)) * batch  # each sequence's parent pointers
 

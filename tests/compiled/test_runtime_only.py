@@ -147,6 +147,32 @@ def test_profile_runs_more_steps_than_the_slack_and_names_other(model, tokens):
     assert all(0 <= k["share"] for k in profile["kernels"])
 
 
+def test_profile_prefills_a_depth_beyond_the_prefill_chunk_in_chunks(model):
+    """The artifact's prefill chunk is 64 tokens: a depth of 100 is two forwards."""
+    profile = profile_decode(model, batch=1, depth=100, steps=4, rounds=1)
+    assert profile["depth"] == 100 and profile["step_ms"] > 0
+    with pytest.raises(MlcrunError, match="not in the KV cache"):
+        model.sequence_length(0)
+
+
+def test_a_forward_over_the_prefill_chunk_is_refused_by_name(model):
+    """The KV cache's workspaces hold one prefill chunk (64 tokens here, or what
+    create_kv_cache was given): a longer forward is refused before it runs, and the cache
+    takes the same tokens in chunks."""
+    model.create_kv_cache(prefill_chunk_size=32)
+    model.add_new_sequence(0)
+    ids = list(range(3, 36))  # 33 tokens
+    with pytest.raises(
+        MlcrunError, match="33 tokens in one forward, over the KV cache's prefill chunk of 32"
+    ):
+        model.batch_prefill(model.token_embed(ids), [0], [33])
+    assert model.sequence_length(0) == 0
+    model.batch_prefill(model.token_embed(ids[:32]), [0], [32])
+    model.batch_prefill(model.token_embed(ids[32:]), [0], [1])
+    assert model.sequence_length(0) == 33
+    model.create_kv_cache()
+
+
 def test_an_artifact_for_missing_cpu_features_is_refused(artifacts, tmp_path, monkeypatch):
     """The target of every artifact compiled here switches on at least SSE4.2: a host whose
     /proc/cpuinfo lacks it gets a one-line refusal before the library is loaded."""
