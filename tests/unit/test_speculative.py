@@ -508,7 +508,7 @@ def test_speculation_options_are_checked():
     with pytest.raises(MlcrunError, match="draft_model"):
         EngineConfig(speculative_mode="draft")
     with pytest.raises(MlcrunError, match="draft model"):
-        make("self", draft=None)[0] if False else Engine(
+        Engine(
             FakeRunner(),
             EngineConfig(
                 max_num_sequence=2,
