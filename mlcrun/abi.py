@@ -15,6 +15,10 @@ METADATA = "_metadata"  # () -> JSON string describing the library
 
 MODEL_FUNCTIONS = (EMBED, BATCH_PREFILL, BATCH_DECODE, BATCH_VERIFY, CREATE_KV_CACHE, METADATA)
 
+# BATCH_VERIFY takes at most this many tree nodes per sequence (TVM 0.27's paged KV cache:
+# kTreeAttnMaxTreeSize).
+MAX_TREE_NODES = 256
+
 # TVM runtime builtins that operate on the KV cache object.
 KV_ADD_SEQUENCE = "vm.builtin.kv_state_add_sequence"
 KV_REMOVE_SEQUENCE = "vm.builtin.kv_state_remove_sequence"

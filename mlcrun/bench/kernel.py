@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import abi
 from ..errors import MlcrunError
 from ..runtime import Model
 
@@ -84,6 +85,16 @@ def fit(model: Model, tests: list[KernelTest]) -> tuple[list[KernelTest], list[d
         if t.kind == "verify" and model.config.sliding_window:
             raise MlcrunError(
                 "--verify: TVM's tree attention does not support sliding-window models"
+            )
+        if t.kind == "verify" and t.tokens > abi.MAX_TREE_NODES:
+            raise MlcrunError(
+                f"{_length_flag(t)} exceeds the {abi.MAX_TREE_NODES} tokens the KV cache "
+                "verifies per sequence"
+            )
+        if t.kind == "verify" and t.batch * t.tokens > art.prefill_chunk:
+            raise MlcrunError(
+                f"{_length_flag(t)} at batch {t.batch}: {t.batch * t.tokens} tokens in one "
+                f"forward exceed the artifact's prefill chunk ({art.prefill_chunk})"
             )
         if t.depth + t.tokens > window:
             reason = f"depth {t.depth} + {t.tokens} tokens exceed the context window ({window})"

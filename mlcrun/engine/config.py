@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from ..abi import MAX_TREE_NODES
 from ..errors import MlcrunError
 
 PRESETS = ("local", "interactive", "server")
 SPECULATIVE_MODES = ("none", "ngram", "draft", "self")
-MAX_TREE_NODES = 256  # TVM's paged KV cache verifies at most this many nodes per sequence
 
 
 @dataclass(frozen=True)

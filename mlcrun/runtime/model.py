@@ -373,6 +373,11 @@ class Model:
                 "token trees over sliding-window layers (Gemma 3) are not supported: TVM 0.27's "
                 "cache does not window a tree's attention"
             )
+        if max(lengths, default=0) > abi.MAX_TREE_NODES:
+            raise MlcrunError(
+                f"a token tree of {max(lengths)} nodes: the KV cache verifies at most "
+                f"{abi.MAX_TREE_NODES} per sequence"
+            )
         self._check_batch(seq_ids, lengths, embeddings)
         parents = list(token_tree_parent_ptr)
         if len(parents) != sum(lengths):

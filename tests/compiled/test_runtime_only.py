@@ -173,6 +173,19 @@ def test_a_forward_over_the_prefill_chunk_is_refused_by_name(model):
     model.create_kv_cache()
 
 
+def test_a_token_tree_over_the_caches_limit_is_refused_by_name(model):
+    """Refused before anything else is checked (this artifact's chunk and window are smaller
+    than any such tree) and before the cache is touched."""
+    model.create_kv_cache()
+    model.add_new_sequence(0)
+    nodes = 257
+    with pytest.raises(
+        MlcrunError, match="a token tree of 257 nodes: the KV cache verifies at most 256"
+    ):
+        model.batch_verify(model.token_embed([5] * nodes), [0], [nodes], list(range(-1, nodes - 1)))
+    assert model.sequence_length(0) == 0
+
+
 def test_an_artifact_for_missing_cpu_features_is_refused(artifacts, tmp_path, monkeypatch):
     """The target of every artifact compiled here switches on at least SSE4.2: a host whose
     /proc/cpuinfo lacks it gets a one-line refusal before the library is loaded."""

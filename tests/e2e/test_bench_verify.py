@@ -102,6 +102,8 @@ def test_nothing_fitting_is_an_error(artifacts):
         (["-k", "two"], ["--verify"]),
         (["-k", "300"], ["--verify 300", "context window"]),  # no depth could fit it
         (["-k", "2", "-b", "9"], ["max batch"]),
+        (["-k", "64"], ["--verify 64 (65 tokens)", "prefill chunk (64)"]),  # one forward
+        (["-k", "40", "-b", "2"], ["at batch 2: 82 tokens", "prefill chunk (64)"]),
     ],
 )
 def test_bad_verify_input_is_an_error(artifacts, args, needles):
