@@ -60,6 +60,12 @@ class CompileOptions:
         for name in ("prefill_chunk", "max_batch", "page_size"):
             if getattr(self, name) <= 0:
                 raise MlcrunError(f"--{name.replace('_', '-')} must be positive")
+        if self.prefill_chunk < self.max_batch:
+            raise MlcrunError(
+                f"--prefill-chunk {self.prefill_chunk} is under --max-batch {self.max_batch}: "
+                "a decode step of every sequence is one forward, which holds at most a "
+                "prefill chunk of tokens"
+            )
         if self.context_window is not None and self.context_window <= 0:
             raise MlcrunError("--context-window must be positive")
         if self.page_size not in (8, 16, 32, 64):

@@ -113,6 +113,12 @@ class EngineConfig:
         else:
             capacity = seqs * context_window
         capacity = capacity // page_size * page_size
+        chunk = self.prefill_chunk_size or prefill_chunk
+        if seqs > chunk:  # the KV cache's workspaces hold one chunk of tokens per forward
+            raise MlcrunError(
+                f"max_num_sequence {seqs} is over the prefill chunk of {chunk} tokens: a decode "
+                "step of every running sequence is one forward, which holds at most a chunk"
+            )
         if capacity < page_size:
             raise MlcrunError(
                 f"the KV budget holds {capacity} tokens, less than one page of {page_size}"
@@ -121,7 +127,7 @@ class EngineConfig:
             self,
             max_num_sequence=seqs,
             max_total_sequence_length=capacity,
-            prefill_chunk_size=self.prefill_chunk_size or prefill_chunk,
+            prefill_chunk_size=chunk,
             kv_cache_page_size=page_size,
         )
 

@@ -151,6 +151,11 @@ def test_bad_option_values(ckpt, tmp_path):
     # TVM's CPU KV-cache kernels only work with 16-token pages (a 32 fails at the first append)
     assert_clean_failure(run_cli("compile", ckpt, "-o", out, "--page-size", "32"), out, "16")
     assert_clean_failure(
+        run_cli("compile", ckpt, "-o", out, "--prefill-chunk", "8", "--max-batch", "16"),
+        out,
+        "--prefill-chunk 8 is under --max-batch 16",
+    )
+    assert_clean_failure(
         run_cli("compile", ckpt, "-o", out, "--context-window", "100000"),
         out,
         "max_position_embeddings",

@@ -193,6 +193,19 @@ def test_eos_stops_and_ignore_eos_continues():
     assert outs[("go", 0)].finish_reason == "length" and len(outs[("go", 0)].token_ids) == 20
 
 
+def test_more_sequences_than_a_prefill_chunk_are_refused():
+    """A decode step of every running sequence is one forward, and the KV cache's workspaces
+    hold one prefill chunk of tokens: more sequences than that are refused when the config
+    is resolved, whichever side the numbers come from."""
+    model = dict(context_window=256, max_batch=8, prefill_chunk=64, page_size=16)
+    ok = EngineConfig(max_num_sequence=64).resolve(**model, kv_bytes_per_token=1)
+    assert (ok.max_num_sequence, ok.prefill_chunk_size) == (64, 64)
+    with pytest.raises(MlcrunError, match="max_num_sequence 65 is over the prefill chunk of 64"):
+        EngineConfig(max_num_sequence=65).resolve(**model, kv_bytes_per_token=1)
+    with pytest.raises(MlcrunError, match="max_num_sequence 8 is over the prefill chunk of 4"):
+        EngineConfig(mode="server", prefill_chunk_size=4).resolve(**model, kv_bytes_per_token=1)
+
+
 def test_a_kv_budget_smaller_than_the_window_caps_it(caplog):
     engine, runner = make_engine(pages=2, seqs=2, chunk=16, prefix_cache=False)
     assert engine.context_window == 8  # 2 pages of 4 tokens
