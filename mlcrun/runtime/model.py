@@ -429,12 +429,6 @@ class Model:
             raise MlcrunError("seq_ids must be distinct and match lengths")
         if int(embeddings.shape[0]) != sum(lengths):
             raise MlcrunError(f"{embeddings.shape[0]} embeddings for {sum(lengths)} tokens")
-        chunk = self._kv_settings.get("prefill_chunk_size") if self.kv else None
-        if chunk and sum(lengths) > chunk:  # the cache's workspaces hold one chunk
-            raise MlcrunError(
-                f"{sum(lengths)} tokens in one forward, over the KV cache's prefill chunk of "
-                f"{chunk}: feed them in chunks"
-            )
         limit = self.artifact.context_window
         for seq_id, n in zip(seq_ids, lengths):
             length = self.sequence_length(seq_id)
@@ -443,6 +437,12 @@ class Model:
                     f"sequence {seq_id} would reach {length + n} tokens, "
                     f"over the context window of {limit}"
                 )
+        chunk = self._kv_settings.get("prefill_chunk_size")  # the cache exists by now
+        if chunk and sum(lengths) > chunk:  # the cache's workspaces hold one chunk
+            raise MlcrunError(
+                f"{sum(lengths)} tokens in one forward, over the KV cache's prefill chunk of "
+                f"{chunk}: feed them in chunks"
+            )
 
 
 def _call(name: str, *args):
