@@ -1464,7 +1464,8 @@ def changed_since(created: str) -> list[str]:
         return []
     excluded = " ".join(f"'{p}'" for p in UNMEASURED)
     return [
-        f"**Not current:** {len(out)} commits have changed `mlcrun/` since this run (`git log "
+        f"**Not current:** {len(out)} {'commit has' if len(out) == 1 else 'commits have'} "
+        f"changed `mlcrun/` since this run (`git log "
         f"--since={created} -- mlcrun/ {excluded}`), so the comparison below describes older code; "
         "re-run the commands above to measure the current one.",
         "",
