@@ -82,20 +82,8 @@ def fit(model: Model, tests: list[KernelTest]) -> tuple[list[KernelTest], list[d
             raise MlcrunError(f"batch {t.batch} exceeds the artifact's max batch {art.max_batch}")
         if t.tokens > window:
             raise MlcrunError(f"{_length_flag(t)} exceeds the context window ({window})")
-        if t.kind == "verify" and model.config.sliding_window:
-            raise MlcrunError(
-                "--verify: TVM's tree attention does not support sliding-window models"
-            )
-        if t.kind == "verify" and t.tokens > abi.MAX_TREE_NODES:
-            raise MlcrunError(
-                f"{_length_flag(t)} exceeds the {abi.MAX_TREE_NODES} tokens the KV cache "
-                "verifies per sequence"
-            )
-        if t.kind == "verify" and t.batch * t.tokens > art.prefill_chunk:
-            raise MlcrunError(
-                f"{_length_flag(t)} at batch {t.batch}: {t.batch * t.tokens} tokens in one "
-                f"forward exceed the artifact's prefill chunk ({art.prefill_chunk})"
-            )
+        if t.kind == "verify":
+            _check_verify(model, t)
         if t.depth + t.tokens > window:
             reason = f"depth {t.depth} + {t.tokens} tokens exceed the context window ({window})"
             record = {"test": t.name, "kind": t.kind, "batch": t.batch, "depth": t.depth}
@@ -106,6 +94,23 @@ def fit(model: Model, tests: list[KernelTest]) -> tuple[list[KernelTest], list[d
         depths = ",".join(str(d) for d in sorted({t.depth for t in tests}))
         raise MlcrunError(f"no test fits the context window ({window}) at --depths {depths}")
     return runnable, skipped
+
+
+def _check_verify(model: Model, t: KernelTest) -> None:
+    """What no depth can fix for a verify test: the model, the tree size, one forward."""
+    chunk = model.artifact.prefill_chunk
+    if model.config.sliding_window:
+        raise MlcrunError("--verify: TVM's tree attention does not support sliding-window models")
+    if t.tokens > abi.MAX_TREE_NODES:
+        raise MlcrunError(
+            f"{_length_flag(t)} exceeds the {abi.MAX_TREE_NODES} tokens the KV cache "
+            "verifies per sequence"
+        )
+    if t.batch * t.tokens > chunk:
+        raise MlcrunError(
+            f"{_length_flag(t)} at batch {t.batch}: {t.batch * t.tokens} tokens in one "
+            f"forward exceed the artifact's prefill chunk ({chunk})"
+        )
 
 
 def check_fits(model: Model, tests: list[KernelTest]) -> None:
@@ -180,11 +185,11 @@ def _time_once(model: Model, test: KernelTest, rng: np.random.Generator) -> floa
         model.add_new_sequence(s)
     try:
         for s in seqs:
-            _prefill(model, s, rng.integers(0, vocab, test.depth).tolist())
+            prefill_chunks(model, s, rng.integers(0, vocab, test.depth).tolist())
         if test.kind == "prefill":
             ids = rng.integers(0, vocab, test.tokens).tolist()
             start = time.perf_counter()
-            _prefill(model, 0, ids)
+            prefill_chunks(model, 0, ids)
             return time.perf_counter() - start
         ids = rng.integers(0, vocab, test.batch).tolist()
         start = time.perf_counter()
@@ -213,7 +218,7 @@ def _time_verify(
         model.add_new_sequence(s)
     try:
         for s in seqs:
-            _prefill(model, s, rng.integers(0, model.vocab_size, test.depth).tolist())
+            prefill_chunks(model, s, rng.integers(0, model.vocab_size, test.depth).tolist())
         ids = rng.integers(0, model.vocab_size, test.batch * n).tolist()
         samples = []
         for rep in range(reps + 1):
@@ -238,7 +243,8 @@ def _time_verify(
             model.remove_sequence(s)
 
 
-def _prefill(model: Model, seq: int, ids: list[int]) -> None:
+def prefill_chunks(model: Model, seq: int, ids: list[int]) -> None:
+    """Feed `ids` to sequence `seq` in forwards of at most the artifact's prefill chunk."""
     chunk = model.artifact.prefill_chunk
     for i in range(0, len(ids), chunk):
         part = ids[i : i + chunk]

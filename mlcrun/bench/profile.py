@@ -30,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..runtime import Model
+from .kernel import prefill_chunks
 
 # Builtins whose work is negligible next to the hook's: their intervals calibrate its cost.
 CALIBRATION = ("vm.builtin.null_value", "vm.builtin.tuple_getitem", "vm.builtin.make_shape")
@@ -77,12 +78,9 @@ def profile_decode(
     model.create_kv_cache(max_num_sequence=batch, max_total_sequence_length=capacity)
     rng = np.random.default_rng(0)
     seqs = list(range(batch))
-    chunk = model.artifact.prefill_chunk
     for s in seqs:
         model.add_new_sequence(s)
-        for start in range(0, depth, chunk):
-            n = min(chunk, depth - start)
-            model.batch_prefill(model.token_embed(rng.integers(0, 100, n).tolist()), [s], [n])
+        prefill_chunks(model, s, rng.integers(0, 100, depth).tolist())
     ids = rng.integers(0, 100, batch * tokens).tolist()
     chain = list(range(-1, tokens - 1)) * batch  # each sequence's parent pointers
 
