@@ -74,19 +74,19 @@ class LLM:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
+        # Gemma 3: a forward's chunk must fit in the sliding window (`local_chunk`)
+        local = local_chunk(self.model.config.local_window)
         config = (engine_config or EngineConfig()).resolve(
             context_window=art.context_window,
             max_batch=art.max_batch,
             prefill_chunk=art.prefill_chunk,
             page_size=art.page_size,
             kv_bytes_per_token=self.model.kv_bytes_per_token,
+            chunk_limit=local,
         )
-        if self.model.config.sliding_window:
-            config = replace(config, prefix_cache=False)  # windowed sequences cannot be forked
-        chunk = local_chunk(self.model.config.local_window)
-        if chunk:  # Gemma 3: forks past the window go wrong; chunks must fit in it
-            chunk = min(config.prefill_chunk_size, chunk)
-            config = replace(config, prefix_cache=False, prefill_chunk_size=chunk)
+        if self.model.config.sliding_window or local:
+            # windowed sequences cannot be forked (Gemma 3: forks past the window go wrong)
+            config = replace(config, prefix_cache=False)
         self.engine_config = config
         self.draft = None
         context_window, costs, costs_path = art.context_window, None, None

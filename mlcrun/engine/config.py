@@ -97,8 +97,11 @@ class EngineConfig:
         prefill_chunk: int,
         page_size: int,
         kv_bytes_per_token: int,
+        chunk_limit: int | None = None,
     ) -> EngineConfig:
-        """Concrete values for a model: every field set, the KV capacity from the budget."""
+        """Concrete values for a model: every field set, the KV capacity from the budget.
+        `chunk_limit`: the most tokens of one sequence the model takes in one forward (Gemma 3's
+        sliding layers: `abi.local_chunk`), which caps the prefill chunk before it is checked."""
         page_size = self.kv_cache_page_size or page_size
         default_seqs = {"interactive": 1, "local": min(4, max_batch), "server": max_batch}
         seqs = self.max_num_sequence or default_seqs[self.mode]
@@ -114,6 +117,8 @@ class EngineConfig:
             capacity = seqs * context_window
         capacity = capacity // page_size * page_size
         chunk = self.prefill_chunk_size or prefill_chunk
+        if chunk_limit is not None:
+            chunk = min(chunk, chunk_limit)
         if seqs > chunk:  # the KV cache's workspaces hold one chunk of tokens per forward
             raise MlcrunError(
                 f"max_num_sequence {seqs} is over the prefill chunk of {chunk} tokens: a decode "

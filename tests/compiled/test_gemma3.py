@@ -39,9 +39,14 @@ def test_prefill_chunks_as_long_as_the_window_stay_exact(checkpoints, artifacts)
             logits = model.batch_prefill(model.token_embed(prompt[done : done + n]), [seq], [n])
             done += n
             np.testing.assert_allclose(logits[0], want[done - 1], atol=1e-4, rtol=0)
-    from mlcrun import LLM
+    from mlcrun import LLM, EngineConfig
+    from mlcrun.errors import MlcrunError
 
     assert LLM(folder).engine_config.prefill_chunk_size == window - 1
+    # a decode step of every sequence is one forward: more sequences than the capped chunk
+    # are refused up front (they used to fail every request at its first decode step)
+    with pytest.raises(MlcrunError, match=f"over the prefill chunk of {window - 1} tokens"):
+        LLM(folder, engine_config=EngineConfig(max_num_sequence=window))
 
 
 def test_token_trees_are_refused(artifacts):

@@ -206,6 +206,22 @@ def test_more_sequences_than_a_prefill_chunk_are_refused():
         EngineConfig(mode="server", prefill_chunk_size=4).resolve(**model, kv_bytes_per_token=1)
 
 
+def test_a_models_chunk_limit_caps_the_chunk_before_the_sequences_are_checked():
+    """A model that takes fewer tokens per forward (Gemma 3's sliding window: `chunk_limit`)
+    gets that chunk, and more sequences than it are refused, not left to fail at decode."""
+    model = dict(context_window=256, max_batch=8, prefill_chunk=64, page_size=16)
+    capped = EngineConfig(max_num_sequence=15).resolve(
+        **model, kv_bytes_per_token=1, chunk_limit=15
+    )
+    assert (capped.max_num_sequence, capped.prefill_chunk_size) == (15, 15)
+    given = EngineConfig(prefill_chunk_size=8).resolve(
+        **model, kv_bytes_per_token=1, chunk_limit=15
+    )
+    assert given.prefill_chunk_size == 8  # a smaller chunk asked for stays
+    with pytest.raises(MlcrunError, match="max_num_sequence 16 is over the prefill chunk of 15"):
+        EngineConfig(max_num_sequence=16).resolve(**model, kv_bytes_per_token=1, chunk_limit=15)
+
+
 def test_a_kv_budget_smaller_than_the_window_caps_it(caplog):
     engine, runner = make_engine(pages=2, seqs=2, chunk=16, prefix_cache=False)
     assert engine.context_window == 8  # 2 pages of 4 tokens
