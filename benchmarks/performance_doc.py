@@ -1443,12 +1443,19 @@ def method_section(doc: dict) -> list[str]:
     ]
 
 
-UNMEASURED = (":(exclude)mlcrun/serve", ":(exclude)mlcrun/cli/serve.py")
+# Code no compare.py test runs: the HTTP server, and `mlcrun bench` (compare.py drives LLM and
+# the runtime itself).
+UNMEASURED = (
+    ":(exclude)mlcrun/serve",
+    ":(exclude)mlcrun/cli/serve.py",
+    ":(exclude)mlcrun/bench",
+    ":(exclude)mlcrun/cli/bench.py",
+)
 
 
 def changed_since(created: str) -> list[str]:
     """A warning, from git, when commits that change the code being measured (mlcrun/, but the
-    HTTP server, which no compare.py test runs) landed after the compare run: its figures then
+    code no compare.py test runs: UNMEASURED) landed after the compare run: its figures then
     describe older code."""
     try:
         out = subprocess.run(
