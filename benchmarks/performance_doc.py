@@ -10,8 +10,9 @@ when that file exists, the "Replicas under Ray Serve" section from
 benchmarks/results/serve_replicas.json (benchmarks/serve_replicas.py) when that file exists.
 The "Speculative decoding" section comes from
 benchmarks/results/speculative.json (`.venv/bin/python benchmarks/speculative.py`) when that
-file exists, the "A second machine" section from benchmarks/results/compare_avx2.json (a
-compare.py run on another machine class) when that file exists.
+file exists.
+The "Another machine" sections come from benchmarks/results/compare_*.json: compare.py runs
+on other machine classes (`--json benchmarks/results/compare_<class>.json`), one section each.
 
 Everything on the page comes from those files; the only hand-written parts are the
 explanations of known gaps below (`GAPS`, `SPEC_GAPS`), printed when the measured ratio says
@@ -32,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "performance.md"
-OTHER_MACHINE = RESULTS / "compare_avx2.json"  # compare.py on a second machine class
+OTHER_MACHINES = "compare_*.json"  # compare.py on other machine classes, in RESULTS
 
 COLUMNS = [  # (metric key, column title, format)
     ("decode_tps", "decode tok/s", "{:.1f}"),
@@ -1479,18 +1480,17 @@ def changed_since(created: str) -> list[str]:
     ]
 
 
-def other_machine_section(doc: dict | None) -> list[str]:
-    """A compare.py run on a second machine class (e.g. an AVX2-only CPU, where the kernels
-    take other instructions): its tables, gaps, targets and K-step costs, under one heading.
-    (Only ratios from one run mean anything; this run is compared with nothing else.)"""
-    if doc is None:
-        return []
+def other_machine_section(path: Path, doc: dict) -> list[str]:
+    """A compare.py run on another machine class (e.g. an AVX2-only CPU, where the kernels
+    take other instructions), read from `path`: its tables, gaps, targets and K-step costs,
+    under one heading. (Only ratios from one run mean anything; this run is compared with
+    nothing else.)"""
     m = doc["machine"]
     models = ", ".join(doc["models"])
     lines = [
-        f"## A second machine: {m['cpu']}, llama.cpp built with {llama_features(doc)}",
+        f"## Another machine: {m['cpu']}, llama.cpp built with {llama_features(doc)}",
         "",
-        f"*From `benchmarks/results/{OTHER_MACHINE.name}`, written by this run:* "
+        f"*From `benchmarks/results/{path.name}`, written by this run:* "
         f"`{doc['command']}` on {doc['created']} ({doc['elapsed_s'] / 60:.0f} minutes; "
         f"models: {models}).",
         "",
@@ -1531,7 +1531,7 @@ def render(
     spec: dict | None = None,
     gemma: dict | None = None,
     replicas: dict | None = None,
-    other: dict | None = None,
+    others: dict[Path, dict] | None = None,
 ) -> str:
     m = doc["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
@@ -1577,7 +1577,8 @@ def render(
     lines.append("")
     lines += targets_section(doc)
     lines += kstep_section(doc)
-    lines += other_machine_section(other)
+    for path, other in (others or {}).items():
+        lines += other_machine_section(path, other)
     lines += profile_section(kernel, doc)
     lines += kernel_section(kernel)
     lines += spec_section(spec)
@@ -1594,7 +1595,13 @@ def main() -> None:
     parser.add_argument("--speculative", type=Path, default=RESULTS / "speculative.json")
     parser.add_argument("--gemma3", type=Path, default=RESULTS / "gemma3.json")
     parser.add_argument("--replicas", type=Path, default=RESULTS / "serve_replicas.json")
-    parser.add_argument("--other-machine", type=Path, default=OTHER_MACHINE)
+    parser.add_argument(
+        "--other-machine",
+        type=Path,
+        action="append",
+        help=f"a compare.py run on another machine class (repeatable; default: every "
+        f"results/{OTHER_MACHINES})",
+    )
     parser.add_argument("--out", type=Path, default=DOC, help="the page (the plot goes beside)")
     args = parser.parse_args()
     doc = json.loads(args.compare.read_text())
@@ -1602,8 +1609,9 @@ def main() -> None:
     spec = json.loads(args.speculative.read_text()) if args.speculative.exists() else None
     gemma = json.loads(args.gemma3.read_text()) if args.gemma3.exists() else None
     replicas = json.loads(args.replicas.read_text()) if args.replicas.exists() else None
-    other = json.loads(args.other_machine.read_text()) if args.other_machine.exists() else None
-    args.out.write_text(render(doc, kernel, spec, gemma, replicas, other))
+    paths = args.other_machine or sorted(RESULTS.glob(OTHER_MACHINES))
+    others = {path: json.loads(path.read_text()) for path in paths}
+    args.out.write_text(render(doc, kernel, spec, gemma, replicas, others))
     plot(doc, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
