@@ -384,22 +384,23 @@ class Engine:
         clamps them to pages, max_tokens and the context window). Constrained requests decode
         plainly: their grammar would have to be rolled back on rejection. At a batch size
         where even drafts that are always right would not pay, nothing is looked up and the
-        step does not count as idle for the requests' acceptance (no probe could run)."""
+        step does not count as idle for the requests' acceptance (no probe could run). A draft
+        model that lags catches up first (`_catch_up_pays`), for a probe too: a request whose
+        acceptance is only the prior would otherwise never measure it."""
         if not self._drafting_pays(len(batch), 1.0):
             return {}
-        catch_up = any(map(self._draft_lags, batch)) and self._feeding_the_draft_pays()
-        free = [  # a lagging draft drafts only after a catch-up that pays
+        able = [  # may draft, after a catch-up that is not too long where the draft lags
             r
             for r in batch
-            if r.constraint is None
-            and (not self._draft_lags(r) or (catch_up and not self._catch_up_too_long(r)))
+            if r.constraint is None and not (self._draft_lags(r) and self._catch_up_too_long(r))
         ]
         kind = getattr(self.drafter, "kind", None)  # prompt lookup: the match length, or None
         if kind is not None:  # keyed acceptance (Request.acceptance); no match, no draft
-            for req in free:
+            for req in able:
                 req.draft_kind = kind(req)
-            free = [r for r in free if r.draft_kind is not None]
+            able = [r for r in able if r.draft_kind is not None]
         k = self.config.spec_draft_length
+        free = [r for r in able if not self._draft_lags(r) or self._catch_up_pays(r)]
         if not k:
             # the others are one-node trees in the same verify: rate 0 yields 1 token each
             rates = [r.acceptance.rate if r in free else 0.0 for r in batch]
@@ -407,21 +408,31 @@ class Engine:
             if not k:  # plain decoding pays more; requests idle long enough probe
                 probes = {
                     r: PROBE_LENGTH
-                    for r in free
-                    if r.acceptance.probe_due and not self._draft_lags(r)
+                    for r in able
+                    if r.acceptance.probe_due
+                    and (not self._draft_lags(r) or self._feeding_the_draft_pays(1.0))
                 }
-                for req in free:
+                for req in able:
                     req.acceptance.idle()
                 return probes
         return {r: k for r in free}
 
-    def _feeding_the_draft_pays(self) -> bool:
+    def _catch_up_pays(self, req: Request) -> bool:
+        """Whether a request whose draft model lags should catch up and draft: where drafting
+        pays at the batch that decodes soon with the request's own acceptance (the prior
+        until it has drafted). Not the prior alone: where it says no (a verify dear against a
+        plain step), a draft that is nearly always right would stop after its first step, as
+        a verify that keeps every drafted token leaves the draft a token behind."""
+        return self._feeding_the_draft_pays(round(req.acceptance.rate, 2))
+
+    def _feeding_the_draft_pays(self, rate: float = PRIOR_ACCEPTANCE) -> bool:
         """Whether the draft model should take tokens now (a prefill's chunks in lockstep, or a
-        lagging request's catch-up): only where drafting pays at the batch that decodes soon,
-        running and waiting requests together. While a batch fills, its first requests decode
-        alone for a few steps; feeding the draft then buys drafts the grown batch never makes."""
+        lagging request's catch-up): only where drafting with acceptance `rate` pays at the
+        batch that decodes soon, running and waiting requests together. While a batch fills,
+        its first requests decode alone for a few steps; feeding the draft then buys drafts
+        the grown batch never makes."""
         soon = len(self.scheduler.running) + len(self.scheduler.waiting)
-        return self._drafting_pays(soon, PRIOR_ACCEPTANCE)
+        return self._drafting_pays(soon, rate)
 
     def _catch_up_too_long(self, req: Request) -> bool:
         """A lagging draft model that lacks more tokens than the request has left to generate:

@@ -593,3 +593,25 @@ def test_ngram_index_follows_a_growing_request():
             assert tree.parents == list(range(len(chain))) + [0] * len(others)
             for token in rng.integers(0, vocab, int(rng.integers(1, 4))).tolist():
                 req.append(token)
+
+
+# A verify dear against a plain step: at the prior acceptance (0.6) no draft length pays, at
+# 0.73 (a probe of 2 drafts, both kept) two drafts do, and drafts that are always right pay most.
+DEAR_VERIFY = CostModel(verify={1: {1: 1.0, 2: 1.5, 9: 2.0}}, draft={1: 0.3})
+
+
+def test_a_draft_model_the_prior_rules_out_is_probed_and_then_drafts():
+    """Where the prior acceptance says drafting does not pay, the prompt is not fed to the
+    draft model, so its draft lags: a probe (after a catch-up) measures the request's own
+    acceptance, and a draft that is always right then drafts on, catching up on the token
+    each fully kept verify leaves it behind."""
+    ps = [COPYING[:12]]
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    plain = generate(*make(script=COPYING), ps, params)
+    engine, runner, draft = make("draft", 0, 1, script=COPYING, costs=DEAR_VERIFY)
+    assert not engine._feeding_the_draft_pays()  # the prior: no draft pays here
+    spec = generate(engine, runner, draft, ps, params)
+    assert spec[("r0", 0)].token_ids == plain[("r0", 0)].token_ids
+    # the first 16 tokens decode plainly (no probe is due before), the rest mostly drafted
+    assert engine.stats.spec_accepted > 40
+    assert engine.stats.spec_accepted == engine.stats.spec_drafted
