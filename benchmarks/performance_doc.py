@@ -12,7 +12,9 @@ The "Speculative decoding" section comes from
 benchmarks/results/speculative.json (`.venv/bin/python benchmarks/speculative.py`) when that
 file exists.
 The "Another machine" sections come from benchmarks/results/compare_*.json: compare.py runs
-on other machine classes (`--json benchmarks/results/compare_<class>.json`), one section each.
+on other machine classes (`--json benchmarks/results/compare_<class>.json`), one section each;
+likewise speculative.py runs on other machine classes (results/speculative_*.json) follow the
+"Speculative decoding" section.
 
 Everything on the page comes from those files; the only hand-written parts are the
 explanations of known gaps below (`GAPS`, `SPEC_GAPS`), printed when the measured ratio says
@@ -34,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "performance.md"
 OTHER_MACHINES = "compare_*.json"  # compare.py on other machine classes, in RESULTS
+SPECULATIVE = RESULTS / "speculative.json"
+OTHER_SPECULATIVE = "speculative_*.json"  # speculative.py on other machine classes
 
 COLUMNS = [  # (metric key, column title, format)
     ("decode_tps", "decode tok/s", "{:.1f}"),
@@ -1114,23 +1118,26 @@ def _replica_spread(rep: dict) -> list[str]:
     return out
 
 
-def spec_section(spec: dict | None) -> list[str]:
-    """Speedups, acceptance and 16-way throughput of speculative decoding (speculative.json)."""
+def spec_section(spec: dict | None, path: Path | None = None) -> list[str]:
+    """Speedups, acceptance and 16-way throughput of speculative decoding (speculative.json,
+    or `path`: a run on another machine class, under its own heading)."""
     if spec is None:
         return []
     m, st = spec["machine"], spec["settings"]
+    title = "Speculative decoding" + (f" on another machine: {m['cpu']}" if path else "")
+    name = (path or SPECULATIVE).name
     prompts = spec["prompts"]
     kinds = {k: [p for p in prompts if p["kind"] == k] for k in ("grounded", "open")}
     versions = ", ".join(f"{k} {v}" for k, v in spec["versions"].items() if v)
     rows = spec["results"]
     out = [
-        "## Speculative decoding",
+        f"## {title}",
         "",
-        "*From `benchmarks/results/speculative.json`, written by this run of "
-        "`benchmarks/speculative.py`:*",
+        f"*From `benchmarks/results/{name}`, written by this run of `benchmarks/speculative.py`:*",
         "",
         f"    {spec['command']}",
         "",
+        *changed_since(spec["created"]),
         f"On {spec['created']}, {code_version(spec)}: {m['cpu']}, {m['cores']} cores, "
         f"{m['memory_gib']} GiB; "
         f"**{spec['threads']} threads for every engine**, median of {spec['rounds']} "
@@ -1456,8 +1463,8 @@ UNMEASURED = (
 
 def changed_since(created: str) -> list[str]:
     """A warning, from git, when commits that change the code being measured (mlcrun/, but the
-    code no compare.py test runs: UNMEASURED) landed after the compare run: its figures then
-    describe older code."""
+    code no compare.py or speculative.py test runs: UNMEASURED) landed after the run created
+    at `created`: its figures then describe older code."""
     try:
         out = subprocess.run(
             ["git", "log", "--oneline", f"--since={created}", "--", "mlcrun/", *UNMEASURED],
@@ -1474,8 +1481,8 @@ def changed_since(created: str) -> list[str]:
     return [
         f"**Not current:** {len(out)} {'commit has' if len(out) == 1 else 'commits have'} "
         f"changed `mlcrun/` since this run (`git log "
-        f"--since={created} -- mlcrun/ {excluded}`), so the comparison below describes older code; "
-        "re-run the commands above to measure the current one.",
+        f"--since={created} -- mlcrun/ {excluded}`), so the measurements below describe "
+        "older code; re-run the commands above to measure the current one.",
         "",
     ]
 
@@ -1532,6 +1539,7 @@ def render(
     gemma: dict | None = None,
     replicas: dict | None = None,
     others: dict[Path, dict] | None = None,
+    other_specs: dict[Path, dict] | None = None,
 ) -> str:
     m = doc["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
@@ -1582,6 +1590,8 @@ def render(
     lines += profile_section(kernel, doc)
     lines += kernel_section(kernel)
     lines += spec_section(spec)
+    for path, other in (other_specs or {}).items():
+        lines += spec_section(other, path)
     lines += gemma3_section(gemma)
     lines += replicas_section(replicas)
     lines += method_section(doc)
@@ -1592,7 +1602,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare", type=Path, default=RESULTS / "compare.json")
     parser.add_argument("--kernel", type=Path, default=RESULTS / "kernel.json")
-    parser.add_argument("--speculative", type=Path, default=RESULTS / "speculative.json")
+    parser.add_argument("--speculative", type=Path, default=SPECULATIVE)
     parser.add_argument("--gemma3", type=Path, default=RESULTS / "gemma3.json")
     parser.add_argument("--replicas", type=Path, default=RESULTS / "serve_replicas.json")
     parser.add_argument(
@@ -1611,7 +1621,8 @@ def main() -> None:
     replicas = json.loads(args.replicas.read_text()) if args.replicas.exists() else None
     paths = args.other_machine or sorted(RESULTS.glob(OTHER_MACHINES))
     others = {path: json.loads(path.read_text()) for path in paths}
-    args.out.write_text(render(doc, kernel, spec, gemma, replicas, others))
+    specs = {path: json.loads(path.read_text()) for path in sorted(RESULTS.glob(OTHER_SPECULATIVE))}
+    args.out.write_text(render(doc, kernel, spec, gemma, replicas, others, specs))
     plot(doc, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
