@@ -23,6 +23,7 @@ from mlcrun.compiler.schedules.matmul import (  # noqa: E402
     BATCH_MAX_ROWS,
     DEFAULT_L2_BYTES,
     GEMM_MIN_ROWS,
+    ROWS_SINGLE_ROW_MAX_MR,
     ROWS_VARIANTS,
     GemmTuning,
 )
@@ -138,8 +139,9 @@ def test_gemm_tuning_follows_the_cpu() -> None:
 def test_gemv_tunings_match_numpy(monkeypatch, stream_w: bool) -> None:
     """The float-W GEMV either way (Zen 4: one W row per tile up to GEMV_SINGLE_ROW_MAX_K,
     beyond it 4 rows with the tile GEMV_PREFETCH_TILES ahead prefetched, clamped at the last
-    row), with the small-M and batch variants that share its chunks, on shapes no tile
-    divides."""
+    row), with the small-M and batch variants that share its chunks (Zen 4: one W row per
+    tile up to GEMV_SINGLE_ROW_MAX_K in those of up to ROWS_SINGLE_ROW_MAX_MR rows), on shapes
+    no tile divides."""
     tuning = GemmTuning(stream_w=stream_w)
     monkeypatch.setattr(cpu_schedules, "gemm_tuning", lambda target: tuning)
     # Prefetches per K step at N = 36, K = 1040 (chunks of 4 columns). Either way the batch
@@ -151,7 +153,15 @@ def test_gemv_tunings_match_numpy(monkeypatch, stream_w: bool) -> None:
     (func,) = _scheduled_prim_funcs(_module(36, 1040, "float32", "none")).values()
     prefetches = func.script().count("llvm.prefetch")
     assert prefetches == 1 + 4 + 2 + 2 + (4 if stream_w else 0)
-    _check_fp32_residual_matmuls([(30, 40), (200, 72), (36, 1040), (30, 1028)], (1, 2, 5, 17))
+    # At N = 36, K = 72 (8 lanes: NR = 4 in every variant) Zen 4 reads W as one stream in the
+    # GEMV and in the small-M variants up to ROWS_SINGLE_ROW_MAX_MR rows (one W row per tile,
+    # prefetching the next row as the batch variant does): 1 + 1 + 1 + 4 against 1 + 4 + 4 + 4.
+    assert ROWS_SINGLE_ROW_MAX_MR == 4
+    (func,) = _scheduled_prim_funcs(_module(36, 72, "float32", "none")).values()
+    prefetches = func.script().count("llvm.prefetch")
+    assert prefetches == 1 + (1 + 1 if stream_w else 4 + 4) + 4
+    shapes = [(30, 40), (200, 72), (36, 1040), (30, 1028)]
+    _check_fp32_residual_matmuls(shapes, (1, 2, 3, 4, 5, 17))
 
 
 @pytest.mark.parametrize("tuning", TUNINGS.values(), ids=TUNINGS.keys())

@@ -129,6 +129,17 @@ GEMV_PREFETCH_TILES = 2
 # 29.0 -> 20.1 ms (M = 1: 17.0; so a 4-token step 1.18x a 1-token one). The same on an Intel
 # Xeon for a float32 W (module doc, "Small M"); 2 or 3 tiles ahead measured the same there.
 ROWS_PREFETCH_TILES = 1
+# Where the Zen 4 GEMV reads a float32 W as one stream per chunk (K <= GEMV_SINGLE_ROW_MAX_K),
+# the small-M variants of up to this many rows do too (NR = 1; each K step prefetches the
+# next W row's cache line at that K offset, as the batch variant does): their NR = 4 or 2 rows
+# a row apart, prefetched a tile ahead, read W slower than the GEMV beside them. SmolLM2's F32
+# layers and lm_head (distinct weights, 538 MB), 2 threads, Zen 4, M rows against M = 1
+# interleaved (`schedule_micro.py`'s shapes), this VM's memory in a slow phase (M = 1: 16.8
+# ms) / a fast one (11.0 ms, 49 GB/s): M = 2 1.06x -> 0.98x / 1.28x -> 1.02x, M = 3 1.07x ->
+# 1.04x / 1.32x -> 1.30x, M = 4 1.05x -> 1.05x / 1.31x -> 1.29x. MR = 7 lost with one row
+# (M = 5: 1.13x -> 1.27x / 1.54x -> 1.96x), so it keeps its tile. In a model, a chain verify of
+# 2 tokens against a decode step: 1.34x -> 1.09x (fast phase).
+ROWS_SINGLE_ROW_MAX_MR = 4
 DEFAULT_L2_BYTES = 1024 * 1024  # a core's L2 where the machine does not say (Zen 4: 1 MiB)
 GEMM_MIN_CHUNKS = 8  # a GEMM with a dequantized W runs one task per chunk: keep some
 GEMV_MIN_CHUNKS = 32  # parallel chunks for the GEMV: the pool splits a loop statically
@@ -641,8 +652,12 @@ def _small_m_config(
     """A small-M variant: one row tile of `mr` rows. A float32 W's next column tile (a 16-bit
     float W's on AMD Zen) is prefetched whole (all NR rows) during this one
     (ROWS_PREFETCH_TILES); the batch variant's row tiles share that prefetch out instead, one
-    W row each."""
+    W row each. Where the Zen 4 GEMV reads a float32 W as one stream, the variants of up to
+    ROWS_SINGLE_ROW_MAX_MR rows take its one-row tile instead."""
     cfg = tile_config(info, vector_bits, "rows", mr, nb=nb)
+    single = w_bits == 32 and tuning.stream_w and info.k <= GEMV_SINGLE_ROW_MAX_K
+    if single and mr <= ROWS_SINGLE_ROW_MAX_MR:
+        return replace(cfg, nr=1)  # one stream per chunk, as the GEMV (ROWS_SINGLE_ROW_MAX_MR)
     if w_bits == 32 or tuning.streams(w_bits):
         cfg = replace(cfg, prefetch_tiles=ROWS_PREFETCH_TILES)
     return cfg
