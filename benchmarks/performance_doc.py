@@ -323,19 +323,13 @@ def _gap_ngram(spec: dict, cases: list[dict]) -> str:
                 f"cost ({', '.join(beyond)}), no prompt-lookup drafter reaches it on these "
                 "prompts: only cheaper verify steps can."
             )
-    rounds = [
-        (f"{MODEL_NAMES[x['model']]} {x['mode']}", r)
-        for x in cases
-        if len(
-            r := (_row(spec, x["model"], x["mode"]).get("grounded") or {}).get("speedup_rounds")
-            or []
-        )
-        > 1
-    ]
-    if rounds:  # the spread a median of few rounds hides (a VM's memory may swing between runs)
-        costs += "; round by round against the same round's plain run: " + "; ".join(
-            f"{name} {', '.join(f'{v:.2f}x' for v in r)}" for name, r in rounds
-        )
+    per_round = []  # the spread a median of few rounds hides (a VM's memory may swing)
+    for x in cases:
+        ratios = (_row(spec, x["model"], x["mode"]).get("grounded") or {}).get("speedup_rounds")
+        if ratios and len(ratios) > 1:
+            per_round.append((f"{MODEL_NAMES[x['model']]} {x['mode']}", ratios))
+    if per_round:
+        costs += f"; round by round against the same round's plain run: {_rounds(per_round)}"
     return (
         f"End to end ({costs}). A step's cost is the verify's kernels (see the cost of a "
         "K-token step above), the lookup and the acceptance bookkeeping in Python; its yield "
@@ -383,6 +377,13 @@ def _replay(spec: dict, cases: list[dict]) -> str:
     )
 
 
+def _rounds(per_round: list[tuple[str, list[float]]]) -> str:
+    """'name 1.02x, 0.97x; name ...': each case's ratio in every round."""
+    return "; ".join(
+        f"{name} {', '.join(f'{r:.2f}x' for r in ratios)}" for name, ratios in per_round
+    )
+
+
 def _gap_tput(spec: dict, cases: list[dict]) -> str:
     drafted, per_round = {}, []
     for c in cases:
@@ -413,11 +414,8 @@ def _gap_tput(spec: dict, cases: list[dict]) -> str:
             " runs in a fresh one), not speculation."
         )
     if per_round:
-        rounds = "; ".join(
-            f"{name} {', '.join(f'{r:.2f}x' for r in ratios)}" for name, ratios in per_round
-        )
         straddle = [name for name, ratios in per_round if max(ratios) >= 1.0]
-        text += f" Round by round against the same round's plain run: {rounds}"
+        text += f" Round by round against the same round's plain run: {_rounds(per_round)}"
         if straddle:
             text += (
                 f" ({', '.join(straddle)}: at or above plain in some round, so the median's "
