@@ -15,8 +15,8 @@ Models, prepared once under benchmarks/.cache/compare/ (skipped when present):
   safetensors, what transformers runs), written as an F32 GGUF, quantized by llama.cpp to Q8_0
   and Q4_0.
 Each GGUF is run by llama.cpp and compiled by mlcrun from that very file (`-q auto` keeps the
-GGUF blocks' values exactly: Q4_0 -> q4f16_0 and Q4_1 -> q4f16_1, each with a q8f32 embedding,
-Q8_0 -> q8f32, F32 -> q0f32).
+GGUF blocks' values exactly: Q4_0 -> q4f16_0 and Q4_1 -> q4f16_1, each with a q8f16 embedding,
+Q8_0 -> q8f16, F32 -> q0f32).
 
 Every engine/format runs in its own fresh process. Each round starts with a STREAM-like triad
 (numpy, same thread count) in its own process, then runs every (model, engine, format) once in
@@ -119,7 +119,7 @@ MODELS = {
 FORMATS = {
     "F32": ("LLAMA_FTYPE_ALL_F32", "q0f32"),
     "BF16": ("LLAMA_FTYPE_MOSTLY_BF16", "q0bf16"),
-    "Q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", "q8f32"),
+    "Q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", "q8f16"),
     "Q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", "q4f16_0"),
     "Q4_1": ("LLAMA_FTYPE_MOSTLY_Q4_1", "q4f16_1"),
 }

@@ -267,6 +267,13 @@ def _row(spec: dict, model: str, mode: str) -> dict:
     )
 
 
+def _quantization(spec: dict, model: str, draft_of: str | None = None) -> str:
+    """The preset of mlcrun's `model` artifact in the run, or of the draft of its `draft_of`
+    mode."""
+    settings = _row(spec, model, draft_of or "plain").get("settings", {})
+    return settings.get("draft_quantization" if draft_of else "quantization", "?")
+
+
 def _needed_tpf(k: dict, target: float) -> float:
     """Tokens per forward a `target` speedup takes at the step cost the run measured (tokens
     per forward over the speedup, end to end)."""
@@ -969,11 +976,13 @@ def _gemma3_reading(gemma: dict) -> str:
     dec = gemma["summary"]["decode_tps"]
     more = gemma["params_mib"] / gemma["gguf_mib"] - 1
     where = "ahead of" if dec["ratio"] >= 1 else "behind"
+    table = gemma["quantization"].split("+")[-1]
+    same = "the same bytes" if table == "q8f16" else "half a bit more per weight: fp32 scales"
     return (
         f"Decode: mlcrun is {where} llama.cpp ({dec['ratio']:.2f}x) while reading "
         f"{more:.0%} more weight bytes per token (the file's 4- to 6-bit layer tensors are "
         "stored in 8 bits; the tied 262k x 640 embedding, read by the lm_head every token, is "
-        "Q8_0 in the file and q8f32 in mlcrun, the same bytes). A preset per tensor would read "
+        f"Q8_0 in the file and {table} in mlcrun, {same}). A preset per tensor would read "
         "the file's bytes." + _gemma3_deep(gemma)
     )
 
@@ -1161,7 +1170,8 @@ def spec_section(spec: dict | None, path: Path | None = None) -> list[str]:
         f"{versions}.",
         "",
         "SmolLM2-135M-Instruct at **q4** (the default model's GGUF, Q4_1 layers and Q8_0 "
-        "embedding: mlcrun compiles it `-q auto` to q4f16_1+q8f32, llama.cpp runs the file) and "
+        f"embedding: mlcrun compiles it `-q auto` to {_quantization(spec, 'q4')}, llama.cpp runs "
+        "the file) and "
         "at **F32** (the same weights dequantized: mlcrun `-q q0f32`, llama.cpp the F32 GGUF, "
         "transformers fp32 safetensors; transformers runs F32 only). "
         f"{len(kinds['grounded'])} input-grounded chat prompts "
@@ -1181,8 +1191,9 @@ def spec_section(spec: dict | None, path: Path | None = None) -> list[str]:
     out += [
         "",
         "Modes: mlcrun `ngram` (prompt lookup), `self` (the F32 model's own weights at "
-        "q4f16_1+q8f32) and `draft` (the q4 artifact as the draft model: the only smaller "
-        "model sharing SmolLM2's tokenizer available offline, i.e. the same weights at 4 bits); "
+        f"{_quantization(spec, 'f32', 'self')}) and `draft` (the q4 artifact as the draft "
+        "model: the only smaller model sharing SmolLM2's tokenizer available offline, i.e. the "
+        "same weights at 4 bits); "
         "without K the draft length is adaptive (the default), `K=n` fixes it. llama.cpp: "
         "llama-cpp-python's `LlamaPromptLookupDecoding` (num_pred_tokens 10, max_ngram_size 2); "
         "transformers: `generate(prompt_lookup_num_tokens=10)`. **Acceptance**: drafted tokens "
@@ -1298,7 +1309,8 @@ def spec_notes(spec: dict) -> list[str]:
     if len(sha) == 2:
         same = len(set(sha.values())) == 1
         out.append(
-            "- The F32 model's self-draft (q4f16_1+q8f32, re-quantized from its weights) and the "
+            f"- The F32 model's self-draft ({_quantization(spec, 'f32', 'self')}, re-quantized "
+            "from its weights) and the "
             "q4 artifact (the `draft` mode's draft model) have "
             + ("byte-identical params (the same params_sha256)" if same else "different params")
             + ": "

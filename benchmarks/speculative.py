@@ -6,8 +6,8 @@ transformers' prompt lookup beside them; same prompts, same machine, same thread
         [--quick] [--commit REV] [--json benchmarks/results/speculative.json]
 
 Models: SmolLM2-135M-Instruct. `q4` is the default model's GGUF (Q4_1 layers, Q8_0 embedding):
-mlcrun compiles it with `-q auto` (q4f16_1+q8f32), llama.cpp runs the file itself. `f32` is the
-same weights dequantized: mlcrun compiles the same GGUF with `-q q0f32` (with its q4f16_1+q8f32
+mlcrun compiles it with `-q auto` (q4f16_1+q8f16), llama.cpp runs the file itself. `f32` is the
+same weights dequantized: mlcrun compiles the same GGUF with `-q q0f32` (with its q4f16_1+q8f16
 self-draft, `--draft-quantization`), llama.cpp runs the F32 GGUF and transformers the fp32
 safetensors that benchmarks/compare.py prepares (its helpers, imported). Artifacts are cached
 under benchmarks/.cache/speculative/ (the F32 GGUF and safetensors under .cache/compare/smollm2/).
@@ -63,7 +63,7 @@ HOME = CACHE / "mlcrun-home"  # $MLCRUN_HOME of every worker: spec-costs, drafts
 DEFAULT_JSON = ROOT / "results" / "speculative.json"
 QUICK_JSON = CACHE / "speculative-quick.json"
 RESULT_MARK = compare.RESULT_MARK
-DRAFT_QUANTIZATION = "q4f16_1+q8f32"
+DRAFT_QUANTIZATION = "q4f16_1+q8f16"
 LOOKUP_TOKENS = 10  # llama.cpp's num_pred_tokens, transformers' prompt_lookup_num_tokens
 LOOKUP_NGRAM = 2  # both libraries' default max n-gram size
 KINDS = ("grounded", "open")

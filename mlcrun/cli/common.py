@@ -179,7 +179,7 @@ DRAFT_MODEL = typer.Option(
 )
 NGRAM_MAX = typer.Option(4, "--ngram-max", help="Prompt lookup matches the last N..1 tokens.")
 DRAFT_QUANTIZATION = typer.Option(
-    "q4f16_1+q8f32",
+    "q4f16_1+q8f16",
     "--draft-quantization",
     help="Preset of the self-draft (--speculative-mode self).",
 )

@@ -58,8 +58,8 @@ def compile_command(
     draft_quantization: str = typer.Option(
         None,
         "--draft-quantization",
-        help="Also write OUT/draft-Q/: the model's own weights in Q (e.g. q4f16_1+q8f32), a "
-        "draft for self-speculative decoding of q0f32, q0f16, q0bf16 and q8f32 models.",
+        help="Also write OUT/draft-Q/: the model's own weights in Q (e.g. q4f16_1+q8f16), a "
+        "draft for self-speculative decoding of q0f32, q0f16, q0bf16 and q8 models.",
     ),
     revision: str = REVISION,
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite OUT if it exists."),
@@ -77,7 +77,7 @@ def compile_command(
             typer.echo(f"{p.name:<8} {p.bits_per_weight:5.2f} bits/weight  {p.description}")
         typer.echo(
             f"{'auto':<8} {'':5} {'':11}  the preset that stores the checkpoint's weights "
-            "exactly (GGUF Q4_0 -> q4f16_0, Q4_1 -> q4f16_1, Q8_0 -> q8f32, F16 -> q0f16, BF16 -> "
+            "exactly (GGUF Q4_0 -> q4f16_0, Q4_1 -> q4f16_1, Q8_0 -> q8f16, F16 -> q0f16, BF16 -> "
             "q0bf16; default)"
         )
         return

@@ -3,7 +3,7 @@
 Each param of the weight map is produced one of two ways:
 
 * exactly, when the source stores it in blocks the preset holds bit for bit (GGUF Q4_0/Q4_1
-  under a q4 preset, Q8_0 under q8f32: quant/gguf_blocks.py) and the rule only stacks rows;
+  under a q4 preset, Q8_0 under q8f16: quant/gguf_blocks.py) and the rule only stacks rows;
 * otherwise as float32 through the weight map, then the preset's weight transform.
 
 `resolve_quantization` turns `auto` into the preset that keeps the source's storage exact.

@@ -34,7 +34,7 @@ class EngineConfig:
     draft_model: str | None = None  # an artifact, HF folder or GGUF (mode "draft")
     # The self-draft's preset (mode "self"): 4-bit layers, an 8-bit embedding and lm_head (a
     # 4-bit table costs SmolLM2 a tenth of its top-1 agreement with the target).
-    draft_quantization: str = "q4f16_1+q8f32"
+    draft_quantization: str = "q4f16_1+q8f16"
 
     def __post_init__(self) -> None:
         if self.mode not in PRESETS:

@@ -19,14 +19,15 @@ llama.cpp stores a row of K weights as K/32 blocks (little-endian, packed):
 The symmetric q4f16_0 (w = (q - 8) * scale, quant/presets.py) is Q4_0 itself: scale = d.
 The q4 presets with a min (w = q * scale + min) hold Q4_1 as (scale = d, min = m) and Q4_0 as
 (scale = d, min = -8 d): both exact in f16 or f32 storage (-8 d only moves the exponent; it is
-checked for f16 overflow). Q8_0 is q8f32 with scale = d. Only the nibble order differs: a
+checked for f16 overflow). Q8_0 is q8f16 (or q8f32) with scale = d. Only the nibble order differs: a
 block keeps element j and j + 16 in one byte, our words keep elements 8 i .. 8 i + 7 in word i.
-Q5_0 is q8f32 with codes q - 16 and scale = d. Q4_K is q4f32_1 with scale = d * sc and
+Q5_0 is q8f16 with codes q - 16 and scale = d. Q4_K is q4f32_1 with scale = d * sc and
 min = -dmin * m per group of 32: a float16 times a 6-bit integer needs 17 significant bits,
 exact in float32 (and in the q4f16_1 of a tensor only where every product fits in 11). Q5_1,
 Q5_K (5-bit codes with a min) and Q6_K (groups of 16) fit no preset exactly: `auto` stores
-them in q8f32 (8-bit codes, group 32), whose rounding error is at most half a step of 1/127
-of each group's largest magnitude, below the 5- and 6-bit formats' own.
+them in q8f16 (8-bit codes, group 32; the codes are rounded against the fp16 scale), whose
+rounding error is at most half a step of about 1/127 of each group's largest magnitude, below
+the 5- and 6-bit formats' own.
 
 `exact_params` returns None whenever the stored type does not fit the preset exactly; the
 compile then quantizes the float weights instead.
@@ -58,15 +59,15 @@ BLOCK_TYPES = tuple(_BLOCK)
 EXACT_PRESET: dict[str, str] = {
     "Q4_0": "q4f16_0",
     "Q4_1": "q4f16_1",
-    "Q8_0": "q8f32",
-    "Q5_0": "q8f32",
+    "Q8_0": "q8f16",
+    "Q5_0": "q8f16",
     "Q4_K": "q4f32_1",
     "F16": "q0f16",
     "BF16": "q0bf16",
     "F32": "q0f32",
 }
 # GGML type -> the preset `auto` stores it in, rounded (no preset holds it exactly)
-NEAREST_PRESET: dict[str, str] = {"Q5_1": "q8f32", "Q5_K": "q8f32", "Q6_K": "q8f32"}
+NEAREST_PRESET: dict[str, str] = {"Q5_1": "q8f16", "Q5_K": "q8f16", "Q6_K": "q8f16"}
 # the preset kind that holds the blocks exactly
 _BLOCK_KIND = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q8", "Q4_K": "q4"}
 _BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
@@ -180,12 +181,12 @@ def exact_params(preset: QuantPreset, ggml_type: str, data: np.ndarray) -> dict 
 
 def auto_preset(layer_types: dict[str, int], embedding_types: dict[str, int]) -> str:
     """`--quantization auto`: the preset holding the dominant storage type (by elements) of the
-    linear layers' weights exactly (or, for Q5_1/Q5_K/Q6_K, nearest: q8f32), paired (`A+B`)
+    linear layers' weights exactly (or, for Q5_1/Q5_K/Q6_K, nearest: q8f16), paired (`A+B`)
     with the one for the embedding table and lm_head when they are stored differently.
     Tensors of any other type are converted. Q4_0 layers with some Q4_1 ones go to q4f16_1,
     which holds both exactly (q4f16_0 would requantize the Q4_1 tensors). A 4-bit preset is
     never chosen for layers that include wider quantized tensors (a K-quant "Q4_K_M" file's
-    Q5_0/Q6_K/Q8_0 ones): those layers go to q8f32, so no tensor loses bits."""
+    Q5_0/Q6_K/Q8_0 ones): those layers go to q8f16, so no tensor loses bits."""
 
     def pick(types: dict[str, int]) -> str | None:
         if not types:
@@ -195,7 +196,7 @@ def auto_preset(layer_types: dict[str, int], embedding_types: dict[str, int]) ->
             dominant = "Q4_1"
         preset = EXACT_PRESET.get(dominant) or NEAREST_PRESET.get(dominant, "q0f32")
         if _BITS.get(dominant) == 4 and any(_BITS.get(t, 0) > 4 for t in types):
-            return "q8f32"
+            return "q8f16"
         return preset
 
     layers = pick(layer_types) or pick(embedding_types) or "q0f32"

@@ -24,7 +24,10 @@ Formats (K: a Linear's input features / the embedding dim, groups of 32 along K)
   q4f16_1's 5). The quantizer is llama.cpp's quantize_row_q4_0 (scale = the group's signed
   value of largest magnitude / -8, q = min(15, trunc(w / scale + 8.5))), so a float
   checkpoint gets the blocks llama.cpp would write. `auto` picks it for GGUF Q4_0 layers.
-* q8f32: int8 codes with one fp32 scale per group of 32: w = q * scale (symmetric, GGUF Q8_0).
+* q8f32 / q8f16: int8 codes with one fp32 / fp16 scale per group of 32: w = q * scale
+  (symmetric). q8f16 is GGUF Q8_0 (and Q5_0, codes q - 16) bit for bit, at 8.5 bits per weight
+  against q8f32's 9; `auto` picks it for those blocks. q8f32 keeps a float checkpoint's scale
+  unrounded.
 
 Activations (`mlcrun compile --activations`, quant/modules.py): `exact` keeps them in float32
 (the matmul dequantizes the weights: results exact in fp32), `int8` quantizes them per row and
@@ -42,9 +45,9 @@ Every preset but q0f32 stores the embedding table and the lm_head (tied or not) 
 too: in a 135M model with a 49k vocabulary they are a fifth of the weights read per token.
 
 A mixed name `A+B` stores the linear layers in A and the embedding table and lm_head in B, as
-llama.cpp's files often do (Q4_1 layers with a Q8_0 token_embd: `q4f16_1+q8f32`). `auto`
+llama.cpp's files often do (Q4_1 layers with a Q8_0 token_embd: `q4f16_1+q8f16`). `auto`
 (compiler/params.py) picks such a pair to keep a GGUF's blocks exact: a Q4_0 file with a Q8_0
-token_embd compiles to `q4f16_0+q8f32`.
+token_embd compiles to `q4f16_0+q8f16`.
 """
 
 from __future__ import annotations
@@ -106,6 +109,9 @@ PRESETS: dict[str, QuantPreset] = {
         QuantPreset("q4f32_1", "q4", "float32", "4-bit, group 32, float32 scale + min per group"),
         QuantPreset("q4f16_1", "q4", "float16", "4-bit, group 32, float16 scale + min per group"),
         QuantPreset("q8f32", "q8", "float32", "8-bit, group 32, float32 scale per group"),
+        QuantPreset(
+            "q8f16", "q8", "float16", "8-bit, group 32, float16 scale per group (GGUF Q8_0)"
+        ),
     )
 }
 

@@ -81,7 +81,7 @@ def _run(vm, named, preset, n, k, vocab):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # an fma may round once less
 
 
-@pytest.mark.parametrize("preset", ["q4f16_1", "q4f32_1", "q4f16_0", "q8f32"])
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f32_1", "q4f16_0", "q8f32", "q8f16"])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_int8_kernels_match_the_numpy_int8_model(preset, n, k):
     vocab = n + 3  # the tied head has its own odd N
@@ -89,7 +89,7 @@ def test_int8_kernels_match_the_numpy_int8_model(preset, n, k):
     _run(vm, named, preset, n, k, vocab)
 
 
-@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32"])
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32", "q8f16"])
 def test_reference_te_bodies_read_the_same_layout(monkeypatch, preset):
     """Without an int8 dot product the int8 ops run their TE bodies (modules.py), which index
     the codes and the panelled scales on their own: the same numpy model must hold for them
@@ -107,7 +107,7 @@ def test_reference_te_bodies_read_the_same_layout(monkeypatch, preset):
 
 
 @pytest.mark.skipif(not OTHER_DOTS, reason=f"this CPU runs only {NATIVE}")
-@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32"])
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32", "q8f16"])
 def test_every_dot_product_gives_the_same_results(monkeypatch, preset):
     """Targets with only AVX-VNNI get 256-bit vpdpbusd (two halves per 16-lane panel), those
     with only AVX2 vpmaddubsw + vpmaddwd (q4 summed in int16 per group, q8 by the sign trick

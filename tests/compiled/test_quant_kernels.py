@@ -26,7 +26,7 @@ from mlcrun.quant.modules import QuantEmbedding  # noqa: E402
 from mlcrun.quant.transform import dequantize_params, weight_transform  # noqa: E402
 
 RNG = np.random.default_rng(0)
-PRESETS = ("q0f16", "q8f32", "q4f32_1", "q4f16_1", "q4f16_0")
+PRESETS = ("q0f16", "q8f32", "q8f16", "q4f32_1", "q4f16_1", "q4f16_0")
 # GEMV for M = 1, the small-M variants (MR = 2, 4, 7; A padded to MR rows) below
 # GEMM_MIN_ROWS, padded GEMM from there
 ROWS = (1, 2, 3, 4, 5, 7, 8, 17, 64)
@@ -113,7 +113,7 @@ def _blocks(stmt: tirx.Stmt) -> list[str]:
     return re.findall(r'sblock\("(\w+)"\)', str(stmt))
 
 
-@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32"])
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32", "q8f16"])
 def test_dequantize_and_epilogue_are_one_scheduled_kernel(preset: str) -> None:
     funcs = _kernels(preset)
     reading_codes = {

@@ -1,6 +1,6 @@
 """Self-drafts (compiler/draft.py): a low-bit copy of a compiled model's own weights.
 
-One draft (the default preset, q4f16_1+q8f32) is built into a temporary $MLCRUN_HOME from the
+One draft (the default preset, q4f16_1+q8f16) is built into a temporary $MLCRUN_HOME from the
 session's q0f32 tiny llama and checked against compiling the checkpoint with that preset
 directly: the same params bit for bit and the same logits. Its agreement with the target is the
 q4 preset's own: the session checkpoints' Gaussian weights (initializer_range 0.1) are the worst
@@ -38,7 +38,7 @@ from mlcrun.compiler.options import CompileOptions
 from mlcrun.errors import MlcrunError
 from mlcrun.runtime import Model
 
-Q = DEFAULT_DRAFT_QUANTIZATION  # q4f16_1+q8f32
+Q = DEFAULT_DRAFT_QUANTIZATION  # q4f16_1+q8f16
 OPTIONS = CompileOptions(prefill_chunk=64, max_batch=8)  # the session `artifacts` fixture's
 TOKENS = np.random.default_rng(0).integers(3, 320, 48).tolist()
 
@@ -217,7 +217,7 @@ def test_refuses_a_target_as_narrow(target, tmp_path, quantization):
     message = str(err.value)
     assert "\n" not in message
     assert f"a {quantization} model" in message
-    assert "helps q0f32, q0f16, q0bf16 and q8f32 targets" in message
+    assert "helps q0f32, q0f16, q0bf16, q8f32 and q8f16 targets" in message
 
 
 @pytest.mark.parametrize(
@@ -232,6 +232,7 @@ def test_refuses_a_bad_draft_quantization(target, quantization, needle):
 def test_other_draft_presets():
     draft_mod.check_helps("q0f32", "q8f32")
     draft_mod.check_helps("q0f16", "q4f16_1+q8f32")
+    draft_mod.check_helps("q8f16", Q)  # a GGUF Q8_0 model (8.5 bits against 5)
     with pytest.raises(MlcrunError, match="helps q0f32, q0f16 and q0bf16 targets"):
         draft_mod.check_helps("q8f32", "q8f32")
 
@@ -243,7 +244,7 @@ def test_cli_refuses_before_compiling(checkpoints, tmp_path, home):
     assert result.returncode == 1, result.stderr
     err = result.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert "a q4f16_1 model" in err and "q0f32, q0f16, q0bf16 and q8f32 targets" in err, err
+    assert "a q4f16_1 model" in err and "q0f32, q0f16, q0bf16, q8f32 and q8f16 targets" in err, err
     assert not out.exists()
 
 

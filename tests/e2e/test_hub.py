@@ -79,7 +79,7 @@ def test_gguf_repo_file_by_name(hub, tmp_path):
     out = tmp_path / "art"
     result = run(hub, tmp_path, "compile", "tiny/llama-GGUF/tiny-Q8_0.gguf", "-o", out)
     assert result.returncode == 0, result.stderr
-    assert LLM(out).model.artifact.quantization == "q8f32"
+    assert LLM(out).model.artifact.quantization == "q8f16"
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,7 @@ def test_q8_layout_is_offset_binary_codes():
     np.testing.assert_array_equal(scale_back, scale)
 
 
-@pytest.mark.parametrize("preset", ["q4f16_1", "q4f32_1", "q4f16_0", "q8f32"])
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f32_1", "q4f16_0", "q8f32", "q8f16"])
 @pytest.mark.parametrize(("n", "k"), ODD)
 def test_int8_transform_matches_specs_and_dequantizes_like_row_major(preset, n, k):
     p = get_preset(preset)
@@ -88,7 +88,13 @@ def test_only_q4_and_q8_use_the_int8_layout():
 
 @pytest.mark.parametrize(
     ("qtype", "preset"),
-    [("Q4_0", "q4f16_1"), ("Q4_0", "q4f16_0"), ("Q4_1", "q4f32_1"), ("Q8_0", "q8f32")],
+    [
+        ("Q4_0", "q4f16_1"),
+        ("Q4_0", "q4f16_0"),
+        ("Q4_1", "q4f32_1"),
+        ("Q8_0", "q8f32"),
+        ("Q8_0", "q8f16"),
+    ],
 )
 def test_gguf_blocks_reach_the_int8_layout_bit_exactly(qtype, preset):
     from gguf import GGMLQuantizationType
@@ -131,7 +137,7 @@ def test_q4_activation_order_puts_each_words_even_elements_first():
     ]
 
 
-@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32"])
+@pytest.mark.parametrize("preset", ["q4f16_1", "q4f16_0", "q8f32", "q8f16"])
 def test_int8_linear_is_close_to_the_float_matmul(preset):
     p = get_preset(preset)
     w = RNG.standard_normal((37, 288)).astype(np.float32)

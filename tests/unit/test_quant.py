@@ -30,9 +30,10 @@ def test_presets_table():
         "q4f16_1": 5,
         "q4f16_0": 4.5,
         "q8f32": 9,
+        "q8f16": 8.5,
     }
     assert not PRESETS["q0f32"].quantizes_embedding
-    for name in ("q0f16", "q0bf16", "q4f32_1", "q4f16_1", "q4f16_0", "q8f32"):
+    for name in ("q0f16", "q0bf16", "q4f32_1", "q4f16_1", "q4f16_0", "q8f32", "q8f16"):
         assert PRESETS[name].quantizes_embedding
 
 
@@ -285,6 +286,7 @@ def test_float_param_name_leaves_other_names_alone():
         ("Q4_1", "q4f32_1"),
         ("Q4_1", "q4f16_1"),
         ("Q8_0", "q8f32"),
+        ("Q8_0", "q8f16"),
     ],
 )
 def test_gguf_blocks_become_preset_params_bit_exactly(qtype, preset):
@@ -395,13 +397,13 @@ def test_k_quant_fixture_writes_blocks_gguf_reads_back(qtype):
     ("qtype", "preset", "activations"),
     [
         ("Q5_0", "q8f32", "exact"),
-        ("Q5_0", "q8f32", "int8"),
+        ("Q5_0", "q8f16", "int8"),
         ("Q4_K", "q4f32_1", "exact"),
         ("Q4_K", "q4f32_1", "int8"),
     ],
 )
 def test_k_and_5_bit_blocks_become_preset_params_bit_exactly(qtype, preset, activations):
-    """Q5_0 is q8f32 (codes q - 16, scale d) and Q4_K is q4f32_1 (scale d * sc, min
+    """Q5_0 is q8f16 or q8f32 (codes q - 16, scale d) and Q4_K is q4f32_1 (scale d * sc, min
     -dmin * m per group of 32): random blocks, every param in the preset's declared shape
     and dtype (and the int8 kernels' layout), reading back gguf's values bit for bit."""
     from gguf import GGMLQuantizationType
@@ -424,13 +426,13 @@ def test_k_and_5_bit_blocks_become_preset_params_bit_exactly(qtype, preset, acti
 
 
 def test_blocks_without_an_exact_preset_are_refused():
-    """Q5_1 and Q5_K carry a min that q8f32 has no room for, Q6_K groups of 16, Q4_K scales
+    """Q5_1 and Q5_K carry a min that q8 has no room for, Q6_K groups of 16, Q4_K scales
     that need float32 in q4f16_1."""
     from mlcrun.quant.gguf_blocks import exact_params
 
     for qtype in ("Q5_1", "Q5_K", "Q6_K"):
         data = _random_blocks(qtype, 2, 1)
-        for preset in ("q8f32", "q4f32_1", "q4f16_1", "q4f16_0", "q0f32"):
+        for preset in ("q8f32", "q8f16", "q4f32_1", "q4f16_1", "q4f16_0", "q0f32"):
             assert exact_params(get_preset(preset), qtype, data) is None, (qtype, preset)
     q4k = _random_blocks("Q4_K", 4, 1)
     assert exact_params(get_preset("q4f16_1"), "Q4_K", q4k) is None  # d * sc: 17 bits
@@ -459,28 +461,28 @@ def test_auto_picks_the_preset_of_the_dominant_storage_type():
     from mlcrun.quant.gguf_blocks import auto_preset
 
     assert auto_preset({"Q4_1": 100, "F32": 1}, {"Q4_1": 30}) == "q4f16_1"
-    assert auto_preset({"Q4_1": 100}, {"Q8_0": 30}) == "q4f16_1+q8f32"  # SmolLM2's GGUF
+    assert auto_preset({"Q4_1": 100}, {"Q8_0": 30}) == "q4f16_1+q8f16"  # SmolLM2's GGUF
     assert auto_preset({"Q4_0": 10}, {"F32": 5}) == "q4f16_0+q0f32"
-    assert auto_preset({"Q4_0": 100}, {"Q8_0": 30}) == "q4f16_0+q8f32"  # llama.cpp's Q4_0
+    assert auto_preset({"Q4_0": 100}, {"Q8_0": 30}) == "q4f16_0+q8f16"  # llama.cpp's Q4_0
     assert auto_preset({"Q4_0": 100}, {"Q4_0": 30}) == "q4f16_0"
-    assert auto_preset({"Q4_0": 100, "Q4_1": 3}, {"Q8_0": 30}) == "q4f16_1+q8f32"  # both exact
+    assert auto_preset({"Q4_0": 100, "Q4_1": 3}, {"Q8_0": 30}) == "q4f16_1+q8f16"  # both exact
     assert auto_preset({"Q4_0": 100}, {"Q4_1": 30}) == "q4f16_0+q4f16_1"
-    assert auto_preset({"Q8_0": 100, "Q4_0": 3}, {}) == "q8f32"
-    assert auto_preset({"Q8_0": 100, "Q4_0": 3, "Q4_1": 2}, {}) == "q8f32"
+    assert auto_preset({"Q8_0": 100, "Q4_0": 3}, {}) == "q8f16"
+    assert auto_preset({"Q8_0": 100, "Q4_0": 3, "Q4_1": 2}, {}) == "q8f16"
     assert auto_preset({"F16": 5}, {"F16": 5}) == "q0f16"
     assert auto_preset({"BF16": 5}, {"BF16": 5}) == "q0bf16"
     assert auto_preset({"BF16": 5}, {"F32": 5}) == "q0bf16+q0f32"
     assert auto_preset({"F32": 5}, {"F32": 5}) == "q0f32"
     assert auto_preset({}, {}) == "q0f32"
-    # K-quants: exact where a preset holds the blocks, q8f32 where none does, and never a
+    # K-quants: exact where a preset holds the blocks, q8f16 where none does, and never a
     # 4-bit preset for layers with wider tensors (the Gemma 3 270M "Q4_K_M" file's mix)
-    assert auto_preset({"Q4_K": 100}, {"Q8_0": 30}) == "q4f32_1+q8f32"
-    assert auto_preset({"Q5_0": 100}, {"Q5_0": 30}) == "q8f32"
-    assert auto_preset({"Q6_K": 100}, {"Q6_K": 30}) == "q8f32"
-    assert auto_preset({"Q5_K": 100, "Q6_K": 10}, {}) == "q8f32"
-    assert auto_preset({"Q4_K": 100, "Q6_K": 20}, {"Q6_K": 30}) == "q8f32"
-    assert auto_preset({"Q5_0": 60, "Q4_K": 30, "Q6_K": 9, "Q8_0": 6}, {"Q8_0": 30}) == "q8f32"
-    assert auto_preset({"Q4_1": 100, "Q8_0": 3}, {"Q8_0": 30}) == "q8f32"  # no tensor narrowed
+    assert auto_preset({"Q4_K": 100}, {"Q8_0": 30}) == "q4f32_1+q8f16"
+    assert auto_preset({"Q5_0": 100}, {"Q5_0": 30}) == "q8f16"
+    assert auto_preset({"Q6_K": 100}, {"Q6_K": 30}) == "q8f16"
+    assert auto_preset({"Q5_K": 100, "Q6_K": 10}, {}) == "q8f16"
+    assert auto_preset({"Q4_K": 100, "Q6_K": 20}, {"Q6_K": 30}) == "q8f16"
+    assert auto_preset({"Q5_0": 60, "Q4_K": 30, "Q6_K": 9, "Q8_0": 6}, {"Q8_0": 30}) == "q8f16"
+    assert auto_preset({"Q4_1": 100, "Q8_0": 3}, {"Q8_0": 30}) == "q8f16"  # no tensor narrowed
 
 
 def test_mixed_preset_stores_tables_in_the_second_format():
