@@ -121,8 +121,9 @@ class EngineConfig:
             chunk = min(chunk, chunk_limit)
         if seqs > chunk:  # the KV cache's workspaces hold one chunk of tokens per forward
             raise MlcrunError(
-                f"max_num_sequence {seqs} is over the prefill chunk of {chunk} tokens: a decode "
-                "step of every running sequence is one forward, which holds at most a chunk"
+                f"max_num_sequence {seqs} (serve --max-num-seqs, bench -c) is over the prefill "
+                f"chunk of {chunk} tokens (compile --prefill-chunk): a decode step of every "
+                "running sequence is one forward, which holds at most a chunk"
             )
         if capacity < page_size:
             raise MlcrunError(

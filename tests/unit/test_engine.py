@@ -193,6 +193,12 @@ def test_eos_stops_and_ignore_eos_continues():
     assert outs[("go", 0)].finish_reason == "length" and len(outs[("go", 0)].token_ids) == 20
 
 
+def _too_many(seqs: int, chunk: int) -> str:
+    """The refusal of more sequences than a prefill chunk holds, naming the CLI options too."""
+    serve = r"\(serve --max-num-seqs, bench -c\)"
+    return rf"max_num_sequence {seqs} {serve} is over the prefill chunk of {chunk} tokens"
+
+
 def test_more_sequences_than_a_prefill_chunk_are_refused():
     """A decode step of every running sequence is one forward, and the KV cache's workspaces
     hold one prefill chunk of tokens: more sequences than that are refused when the config
@@ -200,9 +206,9 @@ def test_more_sequences_than_a_prefill_chunk_are_refused():
     model = dict(context_window=256, max_batch=8, prefill_chunk=64, page_size=16)
     ok = EngineConfig(max_num_sequence=64).resolve(**model, kv_bytes_per_token=1)
     assert (ok.max_num_sequence, ok.prefill_chunk_size) == (64, 64)
-    with pytest.raises(MlcrunError, match="max_num_sequence 65 is over the prefill chunk of 64"):
+    with pytest.raises(MlcrunError, match=_too_many(65, 64)):
         EngineConfig(max_num_sequence=65).resolve(**model, kv_bytes_per_token=1)
-    with pytest.raises(MlcrunError, match="max_num_sequence 8 is over the prefill chunk of 4"):
+    with pytest.raises(MlcrunError, match=_too_many(8, 4)):
         EngineConfig(mode="server", prefill_chunk_size=4).resolve(**model, kv_bytes_per_token=1)
 
 
@@ -218,7 +224,7 @@ def test_a_models_chunk_limit_caps_the_chunk_before_the_sequences_are_checked():
         **model, kv_bytes_per_token=1, chunk_limit=15
     )
     assert given.prefill_chunk_size == 8  # a smaller chunk asked for stays
-    with pytest.raises(MlcrunError, match="max_num_sequence 16 is over the prefill chunk of 15"):
+    with pytest.raises(MlcrunError, match=_too_many(16, 15)):
         EngineConfig(max_num_sequence=16).resolve(**model, kv_bytes_per_token=1, chunk_limit=15)
 
 
