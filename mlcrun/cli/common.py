@@ -21,6 +21,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from ..engine.config import DEFAULT_DRAFT_QUANTIZATION
 from ..errors import MlcrunError
 
 # soft_wrap: a message is one line however long its paths are (scripts grep it); the
@@ -179,7 +180,7 @@ DRAFT_MODEL = typer.Option(
 )
 NGRAM_MAX = typer.Option(4, "--ngram-max", help="Prompt lookup matches the last N..1 tokens.")
 DRAFT_QUANTIZATION = typer.Option(
-    "q4f16_1+q8f16",
+    DEFAULT_DRAFT_QUANTIZATION,
     "--draft-quantization",
     help="Preset of the self-draft (--speculative-mode self).",
 )

@@ -37,6 +37,7 @@ import tvm
 from safetensors import safe_open
 
 from .. import __version__, abi, artifact
+from ..engine.config import DEFAULT_DRAFT_QUANTIZATION
 from ..errors import MlcrunError
 from ..models.config import ModelConfig
 from ..paths import drafts_dir
@@ -51,14 +52,15 @@ from .progress import NullProgress, Progress
 
 log = logging.getLogger(__name__)
 
-# 4-bit linear layers, the embedding table and lm_head in 8 bits: a 4-bit table alone costs
-# acceptance. SmolLM2-135M compiled q0f32 from its GGUF (whose Q4_1 layers a q4 draft holds
+# DEFAULT_DRAFT_QUANTIZATION (defined with the engine's config, which must not import this
+# module): 4-bit linear layers, the embedding table and lm_head in 8 bits. A 4-bit table alone
+# costs acceptance. SmolLM2-135M compiled q0f32 from its GGUF (whose Q4_1 layers a q4 draft holds
 # exactly): top-1 agreement with the target on its own greedy text 1.000 with q4f16_1+q8f32,
 # 0.883 with q4f16_1 (logits cosine 1.0000 / 0.9913), for 98 MB of draft params instead of 84
 # (the table is a fifth of that model; less of larger ones). q4f16_1+q8f16 holds the same
 # table values (its Q8_0 blocks, exactly) in 96 MB: the params of the GGUF's own `-q auto`.
 # Tiny random llamas: 0.63 / 0.57 (init 0.1), 0.79 / 0.70 (init 0.02).
-DEFAULT_DRAFT_QUANTIZATION = "q4f16_1+q8f16"
+
 # The target's linear layers must take at least this many times the draft's bits per weight.
 MIN_BITS_RATIO = 1.5
 

@@ -8,6 +8,10 @@ from dataclasses import dataclass, replace
 from ..abi import MAX_TREE_NODES
 from ..errors import MlcrunError
 
+# The self-draft's preset (mode "self"): 4-bit layers, an 8-bit embedding and lm_head (a 4-bit
+# table costs SmolLM2 a tenth of its top-1 agreement with the target; compiler/draft.py).
+DEFAULT_DRAFT_QUANTIZATION = "q4f16_1+q8f16"
+
 PRESETS = ("local", "interactive", "server")
 SPECULATIVE_MODES = ("none", "ngram", "draft", "self")
 
@@ -32,9 +36,7 @@ class EngineConfig:
     spec_tree_width: int = 1  # W > 1: the top-W alternatives at the first drafted position
     ngram_max: int = 4  # prompt lookup matches the last N..1 tokens
     draft_model: str | None = None  # an artifact, HF folder or GGUF (mode "draft")
-    # The self-draft's preset (mode "self"): 4-bit layers, an 8-bit embedding and lm_head (a
-    # 4-bit table costs SmolLM2 a tenth of its top-1 agreement with the target).
-    draft_quantization: str = "q4f16_1+q8f16"
+    draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION
 
     def __post_init__(self) -> None:
         if self.mode not in PRESETS:

@@ -19,8 +19,9 @@ llama.cpp stores a row of K weights as K/32 blocks (little-endian, packed):
 The symmetric q4f16_0 (w = (q - 8) * scale, quant/presets.py) is Q4_0 itself: scale = d.
 The q4 presets with a min (w = q * scale + min) hold Q4_1 as (scale = d, min = m) and Q4_0 as
 (scale = d, min = -8 d): both exact in f16 or f32 storage (-8 d only moves the exponent; it is
-checked for f16 overflow). Q8_0 is q8f16 (or q8f32) with scale = d. Only the nibble order differs: a
-block keeps element j and j + 16 in one byte, our words keep elements 8 i .. 8 i + 7 in word i.
+checked for f16 overflow). Q8_0 is q8f16 (or q8f32) with scale = d. In the q4 forms only the
+nibble order differs: a block keeps element j and j + 16 in one byte, our words keep elements
+8 i .. 8 i + 7 in word i.
 Q5_0 is q8f16 with codes q - 16 and scale = d. Q4_K is q4f32_1 with scale = d * sc and
 min = -dmin * m per group of 32: a float16 times a 6-bit integer needs 17 significant bits,
 exact in float32 (and in the q4f16_1 of a tensor only where every product fits in 11). Q5_1,
@@ -55,19 +56,22 @@ _BLOCK = {
 }
 BLOCK_TYPES = tuple(_BLOCK)
 
+# The 8-bit preset: Q8_0's own layout (codes and an fp16 d per 32), where `auto` puts 8-bit blocks
+# and any it must round
+Q8_PRESET = "q8f16"
 # GGML type -> the preset `auto` stores it in, exactly (float types: float storage keeps them)
 EXACT_PRESET: dict[str, str] = {
     "Q4_0": "q4f16_0",
     "Q4_1": "q4f16_1",
-    "Q8_0": "q8f16",
-    "Q5_0": "q8f16",
+    "Q8_0": Q8_PRESET,
+    "Q5_0": Q8_PRESET,
     "Q4_K": "q4f32_1",
     "F16": "q0f16",
     "BF16": "q0bf16",
     "F32": "q0f32",
 }
 # GGML type -> the preset `auto` stores it in, rounded (no preset holds it exactly)
-NEAREST_PRESET: dict[str, str] = {"Q5_1": "q8f16", "Q5_K": "q8f16", "Q6_K": "q8f16"}
+NEAREST_PRESET: dict[str, str] = {"Q5_1": Q8_PRESET, "Q5_K": Q8_PRESET, "Q6_K": Q8_PRESET}
 # the preset kind that holds the blocks exactly
 _BLOCK_KIND = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q8", "Q4_K": "q4"}
 _BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
@@ -196,7 +200,7 @@ def auto_preset(layer_types: dict[str, int], embedding_types: dict[str, int]) ->
             dominant = "Q4_1"
         preset = EXACT_PRESET.get(dominant) or NEAREST_PRESET.get(dominant, "q0f32")
         if _BITS.get(dominant) == 4 and any(_BITS.get(t, 0) > 4 for t in types):
-            return "q8f16"
+            return Q8_PRESET
         return preset
 
     layers = pick(layer_types) or pick(embedding_types) or "q0f32"
