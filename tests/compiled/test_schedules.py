@@ -23,6 +23,7 @@ from mlcrun.compiler.schedules.matmul import (  # noqa: E402
     BATCH_MAX_ROWS,
     DEFAULT_L2_BYTES,
     GEMM_MIN_ROWS,
+    ROWS_LONG_K_ACC_REGS,
     ROWS_SINGLE_ROW_MAX_MR,
     ROWS_VARIANTS,
     GemmTuning,
@@ -140,19 +141,21 @@ def test_gemv_tunings_match_numpy(monkeypatch, stream_w: bool) -> None:
     """The float-W GEMV either way (Zen 4: one W row per tile up to GEMV_SINGLE_ROW_MAX_K,
     beyond it 4 rows with the tile GEMV_PREFETCH_TILES ahead prefetched, clamped at the last
     row), with the small-M and batch variants that share its chunks (Zen 4: one W row per
-    tile up to GEMV_SINGLE_ROW_MAX_K in those of up to ROWS_SINGLE_ROW_MAX_MR rows), on shapes
-    no tile divides."""
+    tile up to GEMV_SINGLE_ROW_MAX_K in those of up to ROWS_SINGLE_ROW_MAX_MR rows, from
+    GEMM_LONG_K wide tiles of 8 lanes in all of them), on shapes no tile divides."""
     tuning = GemmTuning(stream_w=stream_w)
     monkeypatch.setattr(cpu_schedules, "gemm_tuning", lambda target: tuning)
     # Prefetches per K step at N = 36, K = 1040 (chunks of 4 columns). Either way the batch
     # variant's 1 (one W row per row tile) and, in each small-M variant, the whole next tile
     # (NR rows: 4 for MR = 2, 2 for MR = 4 and 7, whose accumulators allow fewer columns;
-    # the same with 16 lanes and with AVX2's 8). Zen 4 adds, in the long-K GEMV, the tile
-    # GEMV_PREFETCH_TILES ahead (NR = 4).
+    # the same with 16 lanes and with AVX2's 8). On Zen 4 (K >= GEMM_LONG_K) every small-M
+    # variant has 8 lanes and the chunk's 4 columns (ROWS_LONG_K_ACC_REGS), and the long-K
+    # GEMV prefetches the tile GEMV_PREFETCH_TILES ahead (NR = 4).
     assert ROWS_VARIANTS == (2, 4, 7)
+    assert ROWS_LONG_K_ACC_REGS // 7 >= 4
     (func,) = _scheduled_prim_funcs(_module(36, 1040, "float32", "none")).values()
     prefetches = func.script().count("llvm.prefetch")
-    assert prefetches == 1 + 4 + 2 + 2 + (4 if stream_w else 0)
+    assert prefetches == 1 + 4 + (4 + 4 + 4 if stream_w else 2 + 2)
     # At N = 36, K = 72 (8 lanes: NR = 4 in every variant) Zen 4 reads W as one stream in the
     # GEMV and in the small-M variants up to ROWS_SINGLE_ROW_MAX_MR rows (one W row per tile,
     # prefetching the next row as the batch variant does): 1 + 1 + 1 + 4 against 1 + 4 + 4 + 4.

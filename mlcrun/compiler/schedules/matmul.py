@@ -140,6 +140,16 @@ ROWS_PREFETCH_TILES = 1
 # (M = 5: 1.13x -> 1.27x / 1.54x -> 1.96x), so it keeps its tile. In a model, a chain verify of
 # 2 tokens against a decode step: 1.34x -> 1.09x (fast phase).
 ROWS_SINGLE_ROW_MAX_MR = 4
+# From K = GEMM_LONG_K the Zen 4 small-M variants of a float32 W take LONG_K_LANES lanes and
+# as many W rows per tile as ROWS_LONG_K_ACC_REGS accumulator registers allow (2 rows: 14,
+# 4 rows: 7, 7 rows: 4, where the chunk's columns divide so). Their A tile (MR rows of K
+# floats: 78 KB at 4 rows of K = 4864) no longer stays in L1 and is read again from L2 for
+# every W tile; twice the W rows per tile halve that traffic. Qwen2.5-0.5B's down (N 896,
+# K 4864), 24 distinct weights, 2 threads, Zen 4, M rows against M = 1 interleaved, 16 lanes
+# and the 1 KiB of accumulators' NR (4, 2, 2) -> these: M = 2 1.08-1.16x -> 1.07-1.12x,
+# M = 4 1.34-1.52x -> 1.05-1.23x, M = 5 1.64-1.88x -> 1.23-1.75x, M = 7 1.65x -> 1.23x;
+# SmolLM2's down (N 576, K 1536): M = 4 1.35x -> 1.13x, M = 7 1.90x -> 1.21x, M = 2 the same.
+ROWS_LONG_K_ACC_REGS = 28  # of AVX-512's 32 vector registers; the rest hold A and W vectors
 DEFAULT_L2_BYTES = 1024 * 1024  # a core's L2 where the machine does not say (Zen 4: 1 MiB)
 GEMM_MIN_CHUNKS = 8  # a GEMM with a dequantized W runs one task per chunk: keep some
 GEMV_MIN_CHUNKS = 32  # parallel chunks for the GEMV: the pool splits a loop statically
@@ -653,11 +663,18 @@ def _small_m_config(
     float W's on AMD Zen) is prefetched whole (all NR rows) during this one
     (ROWS_PREFETCH_TILES); the batch variant's row tiles share that prefetch out instead, one
     W row each. Where the Zen 4 GEMV reads a float32 W as one stream, the variants of up to
-    ROWS_SINGLE_ROW_MAX_MR rows take its one-row tile instead."""
+    ROWS_SINGLE_ROW_MAX_MR rows take its one-row tile instead; from GEMM_LONG_K they take
+    wide tiles of 8 lanes (ROWS_LONG_K_ACC_REGS)."""
     cfg = tile_config(info, vector_bits, "rows", mr, nb=nb)
-    single = w_bits == 32 and tuning.stream_w and info.k <= GEMV_SINGLE_ROW_MAX_K
-    if single and mr <= ROWS_SINGLE_ROW_MAX_MR:
-        return replace(cfg, nr=1)  # one stream per chunk, as the GEMV (ROWS_SINGLE_ROW_MAX_MR)
+    if w_bits == 32 and tuning.stream_w:
+        if info.k <= GEMV_SINGLE_ROW_MAX_K and mr <= ROWS_SINGLE_ROW_MAX_MR:
+            return replace(cfg, nr=1)  # one stream per chunk, as the GEMV
+        if info.k >= GEMM_LONG_K:  # wide tiles of 8 lanes (ROWS_LONG_K_ACC_REGS)
+            lanes = _largest_divisor(info.k, [c for c in (LONG_K_LANES, 4, 2) if c <= cfg.lanes])
+            acc_bytes = mr * lanes * info.acc_bits // 8
+            max_nr = min(ROWS_LONG_K_ACC_REGS // mr, MAX_ACC_BYTES // acc_bytes)
+            nr = _largest_divisor(cfg.nb, list(range(max_nr, 1, -1)))
+            cfg = replace(cfg, lanes=lanes, nr=nr)
     if w_bits == 32 or tuning.streams(w_bits):
         cfg = replace(cfg, prefetch_tiles=ROWS_PREFETCH_TILES)
     return cfg
