@@ -20,16 +20,28 @@ loaded as stored (float32 or float16) and widened. Two shapes of work:
   sequence's end are masked by lane; the V loop stops before them (an unused slot may hold
   NaN). The page size is a compile-time 16 (TVM's CPU kernels only work with 16).
   Split (flash-decoding): a batch of fewer than SPLIT_TASKS sequences cuts each sequence into
-  chunks of max(MIN_SPLIT_PAGES, ceil(batch pages / SPLIT_TASKS)) pages, so that one long
-  sequence keeps every thread busy (one task per (sequence, KV head) gave 2 threads 2 and 1 of
-  SmolLM2's 3 KV heads). A chunk of a split sequence writes its unnormalized output, running
-  max and sum to a workspace (fewer than 2 * SPLIT_TASKS chunks: a fixed size), merged after
-  the parallel loop on the calling thread, relative to the largest max (a second parallel
-  loop would add a fork and join to every layer). Larger batches, and sequences of one chunk,
-  write their rows directly. While a page is computed, the next one is prefetched into L2
-  (`PREFETCH_PAGES`), K rows beside the scores, V rows beside the values: at depth a page
-  comes from DRAM (above) and the hardware prefetchers do not run ahead of it (SmolLM2 at
-  depth 512, 2 threads: the attention calls of a step 2.5-2.9 -> 1.9-2.2 ms).
+  chunks of pages, so that one long sequence keeps every thread busy (one task per (sequence,
+  KV head) gave 2 threads 2 and 1 of SmolLM2's 3 KV heads). The thread pool hands each thread a
+  contiguous run of ceil(tasks / threads) tasks, so the chunk count decides the balance
+  (`_chunk_count`): a sequence alone in its call (batch-1 decode, a speculative verify) is cut
+  into a power of two of near-equal chunks, 2 from LONE_SPLIT_PAGES pages on and then one per
+  LONE_CHUNK_PAGES pages, up to SPLIT_TASKS, which 2, 4 or 8 threads share evenly; in a larger
+  batch each sequence takes chunks of about max(MIN_SPLIT_PAGES, ceil(batch pages /
+  SPLIT_TASKS)) pages. (A lone sequence used to take chunks of MIN_SPLIT_PAGES: at 300 tokens,
+  19 pages, 5 chunks, 3 for one of 2 threads and 2 for the other; and fewer, longer chunks also
+  save the per-chunk start and merge. Kernels alone, SmolLM2's 9/3 heads, float32 pages evicted
+  from the caches between calls as a step's weights evict them, 2 threads, Zen 4: a 5-token
+  verify's cached part at depth 300 88 -> 74 us, at 1000 238 -> 206 us; 8 tokens 117 -> 98 and
+  319 -> 270 us; decode at 300 34 -> 32 us. In the model (SmolLM2 q4f16_1, three runs): a
+  5-token verify at depth 350 6-9% faster, a decode step there 2-5%.) A chunk of a split
+  sequence writes its unnormalized output, running max and sum to a workspace (fewer than 2 *
+  SPLIT_TASKS chunks: a fixed size), merged after the parallel loop on the calling thread,
+  relative to the largest max (a second parallel loop would add a fork and join to every
+  layer). Larger batches, and sequences of one chunk, write their rows directly. While a page
+  is computed, the next one is prefetched into L2 (`PREFETCH_PAGES`), K rows beside the scores,
+  V rows beside the values: at depth a page comes from DRAM (above) and the hardware
+  prefetchers do not run ahead of it (SmolLM2 at depth 512, 2 threads: the attention calls of a
+  step 2.5-2.9 -> 1.9-2.2 ms).
 * Few new tokens over cached pages (`prefill_paged_attention` for a sequence of at most
   SHORT_ROWS[dtype] // G new tokens: a speculative verify of K tokens, a short chunk): every
   new row sees every cached key (with `causal`, the keys up to the row's own position: a
@@ -155,7 +167,9 @@ _ROTATE = {step: [(j + step) % LANES for j in range(LANES)] for step in (8, 4, 2
 
 SPLIT_TASKS = 16  # decode splits sequences into page chunks when the batch has fewer sequences
 PREFETCH_PAGES = 1  # decode-structure kernels: prefetch the page this many pages ahead
-MIN_SPLIT_PAGES = 4  # pages per split chunk: at least 4 (64 keys)
+MIN_SPLIT_PAGES = 4  # pages per split chunk in a batch: at least 4 (64 keys)
+LONE_SPLIT_PAGES = 2  # a sequence alone in its call splits in two from this many pages ...
+LONE_CHUNK_PAGES = 8  # ... and into more chunks (a power of two) of at least this many pages
 # Paged prefill: a sequence of at most SHORT_ROWS[dtype] // G new tokens (rows per KV head) takes
 # the decode structure, a longer one 16-row tiles. Measured crossovers (depth 1024, one thread):
 # float32 pages 24 rows win, 28 and 32 lose; float16 pages (half the bytes, so the tiles' compute
@@ -304,6 +318,26 @@ def _row_prefetch(D: int, dtype: str):
     return prefetch
 
 
+def _chunk_count(batch, pages, chunk_pages):
+    """How many chunks a split sequence of `pages` pages (to read) is cut into: alone in its
+    batch, a power of two (module doc: Split), else one per `chunk_pages`."""
+    fit = pages // LONE_CHUNK_PAGES
+    alone = T.if_then_else(pages >= LONE_SPLIT_PAGES, 2, 1)
+    count = 4
+    while count <= SPLIT_TASKS:  # the largest that fits wins
+        alone = T.if_then_else(fit >= count, count, alone)
+        count *= 2
+    return T.if_then_else(batch == 1, alone, T.max(1, T.ceildiv(pages, chunk_pages)))
+
+
+def _chunk_bound(split, chunk_start, b, c, skip, num_pages):
+    """The first page of chunk c of sequence b (c = its chunk count: the end): the sequence's
+    pages after `skip`, cut into near-equal chunks (sizes differ by at most one page)."""
+    count = chunk_start[b + 1] - chunk_start[b]
+    whole = T.if_then_else(c == 0, skip, num_pages)
+    return T.if_then_else(split, skip + c * (num_pages - skip) // count, whole)
+
+
 @T.macro
 def _check_no_sink(length_info, batch_size):
     for b in T.serial(batch_size):
@@ -428,19 +462,15 @@ def decode_attention(
         for b in T.serial(info.windowed(B)):
             chunks[0] = chunks[0] - info.skip(length_info, b)
         split: T.let[T.bool] = B < SPLIT_TASKS
-        chunk_pages: T.let[T.int32] = T.if_then_else(
-            split, T.max(MIN_SPLIT_PAGES, T.ceildiv(chunks[0], SPLIT_TASKS)), 1 << 30
-        )
+        chunk_pages: T.let[T.int32] = T.max(MIN_SPLIT_PAGES, T.ceildiv(chunks[0], SPLIT_TASKS))
         chunks[0] = B
         if split:
             chunk_start[0] = 0
             for b in T.serial(B):
-                chunk_start[b + 1] = chunk_start[b] + T.max(
-                    1,
-                    T.ceildiv(
-                        page_table_indptr[b + 1] - page_table_indptr[b] - info.skip(length_info, b),
-                        chunk_pages,
-                    ),
+                chunk_start[b + 1] = chunk_start[b] + _chunk_count(
+                    B,
+                    page_table_indptr[b + 1] - page_table_indptr[b] - info.skip(length_info, b),
+                    chunk_pages,
                 )
                 for c in T.serial(chunk_start[b + 1] - chunk_start[b]):
                     chunk_seq[chunk_start[b] + c] = b
@@ -467,8 +497,12 @@ def decode_attention(
                 begin: T.let[T.int32] = page_table_indptr[b]
                 num_pages: T.let[T.int32] = page_table_indptr[b + 1] - begin
                 n: T.let[T.int32] = info.end(page_table_indptr, length_info, b)
-                first_page: T.let[T.int32] = info.skip(length_info, b) + c * chunk_pages
-                end_page: T.let[T.int32] = T.min(num_pages, first_page + chunk_pages)
+                first_page: T.let[T.int32] = _chunk_bound(
+                    split, chunk_start, b, c, info.skip(length_info, b), num_pages
+                )
+                end_page: T.let[T.int32] = _chunk_bound(
+                    split, chunk_start, b, c + 1, info.skip(length_info, b), num_pages
+                )
                 for h in T.serial(H_qo):
                     for d in T.vectorized(D):
                         qv[h * D + d] = Q[b, h, d].astype("float32") * (sm_scale * LOG2E)
@@ -1225,9 +1259,7 @@ def prefill_paged_attention(
         for b in T.serial(info.windowed(batch_size)):
             counts[2] = counts[2] - skip(causal, page_indptr, length_info, b)
         split: T.let[T.bool] = batch_size < SPLIT_TASKS
-        chunk_pages: T.let[T.int32] = T.if_then_else(
-            split, T.max(MIN_SPLIT_PAGES, T.ceildiv(counts[2], SPLIT_TASKS)), 1 << 30
-        )
+        chunk_pages: T.let[T.int32] = T.max(MIN_SPLIT_PAGES, T.ceildiv(counts[2], SPLIT_TASKS))
         counts[0] = batch_size
         counts[1] = 0
         for b in T.serial(batch_size):
@@ -1238,14 +1270,12 @@ def prefill_paged_attention(
             for b in T.serial(batch_size):
                 chunk_start[b + 1] = chunk_start[b]
                 if q_indptr[b + 1] - q_indptr[b] <= QMAX:
-                    chunk_start[b + 1] = chunk_start[b] + T.max(
-                        1,
-                        T.ceildiv(
-                            page_indptr[b + 1]
-                            - page_indptr[b]
-                            - skip(causal, page_indptr, length_info, b),
-                            chunk_pages,
-                        ),
+                    chunk_start[b + 1] = chunk_start[b] + _chunk_count(
+                        batch_size,
+                        page_indptr[b + 1]
+                        - page_indptr[b]
+                        - skip(causal, page_indptr, length_info, b),
+                        chunk_pages,
                     )
                 for c in T.serial(chunk_start[b + 1] - chunk_start[b]):
                     chunk_seq[chunk_start[b] + c] = b
@@ -1277,10 +1307,22 @@ def prefill_paged_attention(
                         begin: T.let[T.int32] = page_indptr[b]
                         num_pages: T.let[T.int32] = page_indptr[b + 1] - begin
                         n: T.let[T.int32] = info.end(page_indptr, length_info, b)
-                        first_page: T.let[T.int32] = (
-                            skip(causal, page_indptr, length_info, b) + c * chunk_pages
+                        first_page: T.let[T.int32] = _chunk_bound(
+                            split,
+                            chunk_start,
+                            b,
+                            c,
+                            skip(causal, page_indptr, length_info, b),
+                            num_pages,
                         )
-                        end_page: T.let[T.int32] = T.min(num_pages, first_page + chunk_pages)
+                        end_page: T.let[T.int32] = _chunk_bound(
+                            split,
+                            chunk_start,
+                            b,
+                            c + 1,
+                            skip(causal, page_indptr, length_info, b),
+                            num_pages,
+                        )
                         if q_n * G >= tile_worth * T.ceildiv(q_n * G, LANES):
                             # Row tiles per KV head, their state turned into rows at the end;
                             # a tile's 16 x 16 score block is the rows' `sc` (idle here).
