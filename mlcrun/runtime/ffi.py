@@ -168,6 +168,12 @@ def copy_to(tensor: Tensor, dev: Device) -> Tensor:
 _shapes: dict[tuple[int, ...], Shape] = {}
 
 
+def array(items: Sequence) -> tvm_ffi.Array:
+    """An FFI array of `items` (e.g. tensors), to pass to many calls without converting the
+    Python list each time."""
+    return tvm_ffi.Array(list(items))
+
+
 def shape(values: Sequence[int]) -> Shape:
     """An ffi Shape of `values` (immutable, so made once: building one costs microseconds,
     and a decode step passes the same few every time)."""

@@ -74,7 +74,11 @@ class Model:
         self.device = device_for(self.artifact)
         self.num_threads = set_num_threads(num_threads) if self.artifact.device == "cpu" else 0
         self._vm = load_vm(self.folder, self.artifact, self.device)
-        self._params = load_params(self.folder, self.artifact, self.device, verify=verify)
+        # One FFI array, converted once: a Python list of the params is converted on every
+        # call (SmolLM2's 423 tensors: 13 us a call instead of 4, twice per step).
+        self._params = ffi.array(
+            load_params(self.folder, self.artifact, self.device, verify=verify)
+        )
         self._f = {name: self._vm[name] for name in abi.MODEL_FUNCTIONS}
         self._kv = None
         self._kv_settings: dict[str, int] = {}
