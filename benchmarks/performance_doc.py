@@ -371,12 +371,18 @@ def _replay(spec: dict, cases: list[dict]) -> str:
         )
     if not parts:
         return ""
-    depth = next(r["cost_depth"] for r in replay.values())
+    r = next(iter(replay.values()))
+    depths = r.get("cost_depths") or [r["cost_depth"]]  # runs before the deep point had one
+    at = (
+        f"measured at a depth of {depths[0]} tokens"
+        if len(depths) == 1
+        else f"measured at depths of {depths[0]} and {depths[1]} tokens and interpolated to "
+        "each step's depth"
+    )
     return (
         " Replayed without the model (`benchmarks/spec_replay.py`: the engine decodes plain "
         "decoding's answers again with a runner that answers as the model did, and a step "
-        "costs what the run's own cost table says: kernels only, measured at a depth of "
-        f"{depth} tokens): "
+        f"costs what the run's own cost table says: kernels only, {at}): "
         + "; ".join(parts)
         + ". A policy picks each length before its verify; the hindsight figure is the most "
         "that knowing every draft's outcome in advance would make of this drafter at these "

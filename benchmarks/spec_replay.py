@@ -12,9 +12,9 @@ For each model with an adaptive `ngram` run, mlcrun's plain answers to the input
 choice at every position is the recorded answer (tests/unit/fake_runner.py with a script): the
 engine drafts, verifies, accepts and adapts exactly as it did, only the model is replaced. A
 replay's time is the sum of its forwards' costs from the cost table that run measured at
-warm-up (a chain verify of n tokens at batch 1; a plain step is n = 1), so it counts the
-kernels' step costs only, not the lookup and bookkeeping in Python; its speedup is the plain
-answers' steps at the plain cost over that. Policies:
+warm-up (a chain verify of n tokens at batch 1 at the sequence's depth; a plain step is n = 1),
+so it counts the kernels' step costs only, not the lookup and bookkeeping in Python; its
+speedup is the plain answers' steps at the plain cost over that. Policies:
 
 * adaptive: the engine's default (the draft length that maximises expected tokens per second).
 * K = 1 .. spec_max_draft_length: a fixed draft length.
@@ -44,7 +44,6 @@ from fake_runner import FakeRunner  # noqa: E402
 from mlcrun.engine.config import EngineConfig  # noqa: E402
 from mlcrun.engine.engine import Engine  # noqa: E402
 from mlcrun.engine.spec.adaptive import CostModel  # noqa: E402
-from mlcrun.engine.spec.cost import DEPTH  # noqa: E402
 from mlcrun.engine.spec.ngram import NgramDrafter  # noqa: E402
 from mlcrun.engine.types import SamplingParams  # noqa: E402
 
@@ -63,16 +62,24 @@ class ScriptRunner(FakeRunner):
         out[self.script[k] if 0 <= k < len(self.script) else 0] = 1.0
         return out
 
+    def batch_decode(self, embeddings, seq_ids):
+        self.depths.append(len(self.seqs[seq_ids[0]]))
+        return super().batch_decode(embeddings, seq_ids)
+
+    def batch_verify(self, embeddings, seq_ids, lengths, token_tree_parent_ptr):
+        self.depths.append(len(self.seqs[seq_ids[0]]))
+        return super().batch_verify(embeddings, seq_ids, lengths, token_tree_parent_ptr)
+
 
 def _forward_costs(runner: FakeRunner, costs: CostModel) -> tuple[float, int]:
     """(seconds, forwards) of the decode and verify calls a replay made (a prefill comes before
     the first token, which no decode rate counts)."""
-    seconds, forwards = 0.0, 0
-    for kind, _, lengths in runner.calls:
-        if kind in ("decode", "verify"):
-            seconds += costs.verify_cost(1, sum(lengths))
-            forwards += 1
-    return seconds, forwards
+    steps = [(kind, lengths) for kind, _, lengths in runner.calls if kind in ("decode", "verify")]
+    seconds = sum(
+        costs.verify_cost(1, sum(lengths), depth)
+        for (_, lengths), depth in zip(steps, runner.depths, strict=True)
+    )
+    return seconds, len(steps)
 
 
 def _engine_replay(answers: list, costs: CostModel, draft_length: int = 0) -> dict:
@@ -81,6 +88,7 @@ def _engine_replay(answers: list, costs: CostModel, draft_length: int = 0) -> di
     seconds = forwards = 0
     for ids, out in answers:
         runner = ScriptRunner(vocab_size=vocab, script=out, script_from=len(ids))
+        runner.depths = []  # the sequence's cached tokens at each decode or verify
         window = -(-(len(ids) + len(out) + 1) // PAGE) * PAGE
         config = EngineConfig(
             max_total_sequence_length=window,
@@ -113,37 +121,44 @@ def _hindsight(answers: list, costs: CostModel, max_k: int, ngram_max: int) -> d
     for ids, out in answers:
         p = 0  # out[p]: the pending token
         while p < len(out) - 1:
-            best = (1 / costs.verify_cost(1, 1), 0, 1)  # (tokens per second, kept, nodes)
+            depth = len(ids) + p  # cached tokens: the prompt and the answer before out[p]
+            best = (1 / costs.verify_cost(1, 1, depth), 0, 1)  # (tokens/s, kept, nodes)
             for k in range(1, min(max_k, len(out) - 1 - p) + 1):
                 chain = drafter.lookup([*ids, *out[: p + 1]], k).tokens
                 kept = 0
                 while kept < len(chain) and chain[kept] == out[p + 1 + kept]:
                     kept += 1
                 nodes = 1 + len(chain)
-                best = max(best, ((1 + kept) / costs.verify_cost(1, nodes), kept, nodes))
-            seconds += costs.verify_cost(1, best[2])
+                best = max(best, ((1 + kept) / costs.verify_cost(1, nodes, depth), kept, nodes))
+            seconds += costs.verify_cost(1, best[2], depth)
             forwards += 1
             p += 1 + best[1]
     return _result(answers, costs, seconds, forwards)
 
 
 def _result(answers, costs: CostModel, seconds: float, forwards: int) -> dict:
-    """Speedup over plain decoding's steps at the plain cost, and tokens per forward (the
-    tokens after the first of every answer)."""
+    """Speedup over plain decoding's steps at the plain cost (at each step's depth), and tokens
+    per forward (the tokens after the first of every answer)."""
     tokens = sum(len(out) - 1 for _, out in answers)
+    plain = sum(
+        costs.verify_cost(1, 1, len(ids) + p) for ids, out in answers for p in range(len(out) - 1)
+    )
     return {
-        "speedup": tokens * costs.verify_cost(1, 1) / seconds,
+        "speedup": plain / seconds,
         "tokens_per_forward": tokens / forwards,
     }
 
 
 def _scaled(costs: CostModel, scale: float) -> CostModel:
-    """`costs` with every verify's cost above the plain step's times `scale`."""
-    verify = {
-        b: {n: row[1] + scale * (t - row[1]) for n, t in row.items()}
-        for b, row in costs.verify.items()
-    }
-    return CostModel(verify, dict(costs.draft))
+    """`costs` with every verify's cost above the plain step's (at either depth) times
+    `scale`."""
+
+    def scaled(row: dict[int, float]) -> dict[int, float]:
+        return {n: row[1] + scale * (t - row[1]) for n, t in row.items()}
+
+    verify = {b: scaled(row) for b, row in costs.verify.items()}
+    deep = scaled(costs.deep) if costs.deep else {}
+    return CostModel(verify, dict(costs.draft), costs.depth, deep, costs.deep_depth)
 
 
 def increment_scale(
@@ -179,7 +194,8 @@ def replay_model(answers: list, costs: CostModel, target: float) -> dict:
         "hindsight": _hindsight(answers, costs, max_k, ngram_max),
         "target": target,
         "increment_scale": increment_scale(answers, costs, target, adaptive["speedup"]),
-        "cost_depth": DEPTH,  # the sequences' length when the cost table was measured
+        # the sequences' lengths when the cost table was measured (the second: at batch 1)
+        "cost_depths": [costs.depth, costs.deep_depth] if costs.deep else [costs.depth],
         "plain_step_s": costs.verify_cost(1, 1),
         "verify_steps_s": {str(n): costs.verify_cost(1, n) for n in range(2, max_k + 2)},
     }

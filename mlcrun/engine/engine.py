@@ -26,7 +26,14 @@ from .request import Request
 from .runner import ModelRunner
 from .sampler import check_vocab, sample_batch
 from .scheduler import Scheduler
-from .spec.adaptive import PRIOR_ACCEPTANCE, PROBE_LENGTH, CostModel, best_draft_length
+from .spec.adaptive import (
+    DEPTH_STEP,
+    PRIOR_ACCEPTANCE,
+    PROBE_LENGTH,
+    CostModel,
+    batch_depth,
+    best_draft_length,
+)
 from .spec.cost import measure_costs
 from .spec.decoder import SpeculativeDecoder
 from .spec.draft_model import ModelDrafter
@@ -127,7 +134,7 @@ class Engine:
         self._step_time = 0.0  # when this step's tokens were produced
         self.stats = EngineStats(total_pages=self.kv.total_pages)
         self.costs = cost_model
-        self._pays: dict[tuple[int, float], bool] = {}  # _drafting_pays by (batch, rate)
+        self._pays: dict[tuple, bool] = {}  # _drafting_pays by (batch, rate, depth bucket)
         if self.spec and not config.spec_draft_length and cost_model is None:
             self.costs = self.measure_costs()
         self._update_stats()
@@ -159,6 +166,7 @@ class Engine:
             draft=draft,
             max_tokens=1 + self.config.draft_length_bound + self.config.spec_tree_width - 1,
             chunk=self.config.prefill_chunk_size,
+            context_window=self.context_window,
         )
 
     # ------------------------------------------------------------------ requests
@@ -387,7 +395,8 @@ class Engine:
         step does not count as idle for the requests' acceptance (no probe could run). A draft
         model that lags catches up first (`_catch_up_pays`), for a probe too: a request whose
         acceptance is only the prior would otherwise never measure it."""
-        if not self._drafting_pays(len(batch), 1.0):
+        depth = batch_depth(batch)
+        if not self._drafting_pays(len(batch), 1.0, depth):
             return {}
         able = [  # may draft, after a catch-up that is not too long where the draft lags
             r
@@ -404,7 +413,7 @@ class Engine:
         if not k:
             # the others are one-node trees in the same verify: rate 0 yields 1 token each
             rates = [r.acceptance.rate if r in free else 0.0 for r in batch]
-            k = best_draft_length(rates, self.costs, self.config.spec_max_draft_length)
+            k = best_draft_length(rates, self.costs, self.config.spec_max_draft_length, depth)
             if not k:  # plain decoding pays more; requests idle long enough probe
                 probes = {
                     r: PROBE_LENGTH
@@ -446,16 +455,18 @@ class Engine:
         model = isinstance(self.drafter, ModelDrafter)
         return model and req.num_draft_computed < req.num_computed
 
-    def _drafting_pays(self, batch: int, rate: float) -> bool:
-        """Whether requests drafting with acceptance `rate` at this batch size would draft
-        (always, with a fixed draft length). Asked every step: memoized."""
+    def _drafting_pays(self, batch: int, rate: float, depth: int | None = None) -> bool:
+        """Whether requests drafting with acceptance `rate` at this batch size and depth (None:
+        the cost table's) would draft (always, with a fixed draft length). Asked every step:
+        memoized by depth bucket."""
         if self.config.spec_draft_length:
             return True
-        pays = self._pays.get((batch, rate))
+        key = (batch, rate, None if depth is None else depth // DEPTH_STEP)
+        pays = self._pays.get(key)
         if pays is None:
             max_k = self.config.spec_max_draft_length
-            pays = best_draft_length([rate] * max(batch, 1), self.costs, max_k) > 0
-            self._pays[batch, rate] = pays
+            pays = best_draft_length([rate] * max(batch, 1), self.costs, max_k, depth) > 0
+            self._pays[key] = pays
         return pays
 
     def _finish_reason(self, req: Request, token: int) -> str | None:

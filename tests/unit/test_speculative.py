@@ -321,6 +321,19 @@ def test_best_draft_length_backs_off_where_verifying_costs_as_much_as_it_saves()
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
+def test_best_draft_length_drafts_less_deep_in_the_cache():
+    """Where each verified token's attention over a deep cache costs a tenth of a decode step,
+    the same acceptance drafts fewer tokens 512 tokens deep than at the table's depth, and
+    none 2048 deep; a table without a deep point drafts alike at every depth."""
+    shallow = {1: 1.0, 2: 1.05, 5: 1.2, 9: 1.4}
+    deep = {n: t + 0.1 * n * (512 - 64) / 64 for n, t in shallow.items()}
+    table = CostModel(verify={1: shallow}, depth=64, deep=deep, deep_depth=512)
+    flat = CostModel(verify={1: shallow})
+    near, far, farther = (best_draft_length([0.7], table, 8, d) for d in (64, 512, 2048))
+    assert near >= 3 and 0 < far < near and farther == 0, (near, far, farther)
+    assert best_draft_length([0.7], flat, 8, 2048) == best_draft_length([0.7], flat, 8) == near
+
+
 def test_prompt_lookup_keeps_an_acceptance_per_match_length():
     """The adaptive K of a prompt-lookup request follows the acceptance of the match it has
     now: after one-token matches that kept failing it drafts less than after a four-token
@@ -495,6 +508,67 @@ def test_step_costs_are_measured_round_by_round(monkeypatch):
         for b, row in table.verify.items():
             want = {n: pytest.approx(b * (1 + 0.1 * (n - 1))) for n in row}
             assert row == want, (start, b)
+
+
+class DepthRunner(TimedRunner):
+    """TimedRunner whose steps also cost, per sequence, 0.002 per token verified and token
+    cached before it (attention over the cache grows with its depth)."""
+
+    def batch_decode(self, embeddings, seq_ids):
+        self.clock.now += sum(0.002 * len(self.seqs[s]) for s in seq_ids)
+        return super().batch_decode(embeddings, seq_ids)
+
+    def batch_verify(self, embeddings, seq_ids, lengths, token_tree_parent_ptr):
+        self.clock.now += sum(0.002 * n * len(self.seqs[s]) for s, n in zip(seq_ids, lengths))
+        return super().batch_verify(embeddings, seq_ids, lengths, token_tree_parent_ptr)
+
+
+def test_step_costs_follow_the_depth_of_the_cache(monkeypatch):
+    """The table is measured 64 tokens deep at every batch size and once more at batch 1 as
+    deep as the context window allows; a verify deeper in the cache costs what the runner
+    takes there (every 32-token depth bucket exactly), and not less than at the table's depth
+    for shallower ones."""
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(cost, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    config = EngineConfig(
+        max_num_sequence=4,
+        max_total_sequence_length=4096,
+        prefill_chunk_size=64,
+        kv_cache_page_size=4,
+        speculative_mode="ngram",
+    )
+    runner = DepthRunner(clock, (), vocab_size=128)
+    engine = Engine(runner, config, context_window=300, cost_model=FLAT)
+    table = engine.measure_costs()
+    assert (table.depth, table.deep_depth) == (64, 300 - max(table.verify[1]))
+    assert CostModel.from_dict(table.to_dict()) == table
+
+    def true(b: int, n: int, depth: int) -> float:
+        return b * (1 + 0.1 * (n - 1) + 0.002 * n * depth)
+
+    for b in (1, 2, 4):
+        for n in (1, 2, 5):
+            assert table.verify_cost(b, n) == pytest.approx(true(b, n, 64))
+            assert table.verify_cost(b, n, 10) == pytest.approx(true(b, n, 64))
+            for depth in (96, 256, 1024):
+                assert table.verify_cost(b, n, depth) == pytest.approx(true(b, n, depth)), (b, n)
+    # a depth between buckets is costed at the bucket's end
+    assert table.verify_cost(1, 5, 97) == pytest.approx(true(1, 5, 128))
+
+
+def test_a_window_too_short_for_a_second_depth_leaves_the_table_flat(monkeypatch):
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(cost, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    config = EngineConfig(
+        max_num_sequence=2,
+        max_total_sequence_length=512,
+        prefill_chunk_size=64,
+        kv_cache_page_size=4,
+        speculative_mode="ngram",
+    )
+    engine = Engine(DepthRunner(clock, (), vocab_size=128), config, context_window=100)
+    assert engine.costs.deep == {} and engine.costs.deep_depth == 0
+    assert engine.costs.verify_cost(1, 5, 90) == engine.costs.verify_cost(1, 5)
 
 
 # -- bad input and failures -----------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 A step that verifies K drafted tokens per request yields, for a request whose drafts are
 accepted with per-token probability a, (1 - a^(K+1)) / (1 - a) tokens on average; it costs a
-verify of K + 1 tokens per sequence at this batch size plus K draft steps. Both costs are
-measured on this machine (CostModel, see cost.py); a comes from each request's running
-acceptance of the kind of draft it gets this step (prompt lookup: per match length,
-Request.acceptance). K = 0 is plain decoding, so speculation backs off by itself where it
+verify of K + 1 tokens per sequence at this batch size and the batch's depth plus K draft
+steps. Both costs are measured on this machine (CostModel, see cost.py); a comes from each
+request's running acceptance of the kind of draft it gets this step (prompt lookup: per match
+length, Request.acceptance). K = 0 is plain decoding, so speculation backs off by itself where it
 does not pay (e.g. at large batch sizes, where a decode step is already compute-bound, or on
 text the drafter cannot predict). A request that has not drafted for a while drifts back to
 the prior acceptance, so it is tried again.
@@ -27,31 +27,61 @@ GAIN = 1.02  # speculation must beat plain decoding by this much: noise in the c
 PROBE_LENGTH = 2
 
 
+DEPTH_STEP = 32  # depths are costed in buckets of this many tokens
+
+
 @dataclass
 class CostModel:
     """Seconds per step, measured: `verify[b][n]` is one verify of n tokens per sequence at
-    batch b (n = 1 is a plain decode step); `draft[b]` one draft-model decode step at batch b
-    (empty for drafters without a model). Other points are interpolated."""
+    batch b (n = 1 is a plain decode step) with `depth` tokens cached per sequence; `draft[b]`
+    one draft-model decode step at batch b (empty for drafters without a model). Other points
+    are interpolated.
+
+    `deep[n]` is the verify of n tokens of one sequence `deep_depth` tokens deep: attention
+    grows with the tokens cached, so a verify's cost over a plain step grows too (SmolLM2 q4
+    on 2 cores of an AVX2 EPYC: a 5-token verify 1.72x a plain step at 64 tokens, 1.89x at
+    512; on an AVX-512 one 1.22x at 64 and 1.67x at 350). A verify at
+    another depth adds, per sequence, the batch-1 cost per token of depth times the depth
+    beyond `depth` (attention is linear in the depth and in the sequences)."""
 
     verify: dict[int, dict[int, float]] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
-    # Interpolated costs, asked for every step: (batch, tokens) -> seconds, 0 tokens = a draft.
-    _memo: dict[tuple[int, int], float] = field(
+    depth: int = 0
+    deep: dict[int, float] = field(default_factory=dict)
+    deep_depth: int = 0
+    # Interpolated costs, asked for every step: (batch, tokens, depth bucket) -> seconds,
+    # 0 tokens = a draft.
+    _memo: dict[tuple[int, int, int], float] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
-    def verify_cost(self, batch: int, tokens: int) -> float:
-        cost = self._memo.get((batch, tokens))
+    def verify_cost(self, batch: int, tokens: int, depth: int | None = None) -> float:
+        """One verify of `tokens` tokens per sequence for `batch` sequences `depth` tokens deep
+        on average (None: the table's own depth)."""
+        extra = 0
+        if depth is not None and self.deep and depth > self.depth:
+            extra = -(-(depth - self.depth) // DEPTH_STEP)  # buckets beyond the table's depth
+        cost = self._memo.get((batch, tokens, extra))
         if cost is None:
-            cost = self._memo[batch, tokens] = _interpolate(_nearest(self.verify, batch), tokens)
+            cost = _interpolate(_nearest(self.verify, batch), tokens)
+            if extra:
+                cost += batch * extra * DEPTH_STEP * self._per_depth(tokens)
+            self._memo[batch, tokens, extra] = cost
         return cost
+
+    def _per_depth(self, tokens: int) -> float:
+        """Seconds per token of depth that a one-sequence verify of `tokens` tokens adds
+        (never negative, whatever noise the two measurements hold)."""
+        shallow = _interpolate(self.verify[min(self.verify)], tokens)
+        deep = _interpolate(self.deep, tokens)
+        return max(0.0, (deep - shallow) / (self.deep_depth - self.depth))
 
     def draft_cost(self, batch: int) -> float:
         if not self.draft:
             return 0.0
-        cost = self._memo.get((batch, 0))
+        cost = self._memo.get((batch, 0, 0))
         if cost is None:
-            cost = self._memo[batch, 0] = _interpolate(self.draft, batch)
+            cost = self._memo[batch, 0, 0] = _interpolate(self.draft, batch)
         return cost
 
     def to_dict(self) -> dict:
@@ -60,6 +90,9 @@ class CostModel:
                 str(b): {str(n): t for n, t in row.items()} for b, row in self.verify.items()
             },
             "draft": {str(b): t for b, t in self.draft.items()},
+            "depth": self.depth,
+            "deep": {str(n): t for n, t in self.deep.items()},
+            "deep_depth": self.deep_depth,
         }
 
     @classmethod
@@ -67,7 +100,13 @@ class CostModel:
         verify = {
             int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["verify"].items()
         }
-        return cls(verify, {int(b): float(t) for b, t in data.get("draft", {}).items()})
+        return cls(
+            verify,
+            {int(b): float(t) for b, t in data.get("draft", {}).items()},
+            int(data.get("depth", 0)),
+            {int(n): float(t) for n, t in data.get("deep", {}).items()},
+            int(data.get("deep_depth", 0)),
+        )
 
 
 def _nearest(table: dict[int, dict[int, float]], key: int) -> dict[int, float]:
@@ -134,16 +173,23 @@ def expected_tokens(rate: float, k: int) -> float:
     return (1 - rate ** (k + 1)) / (1 - rate)
 
 
-def best_draft_length(rates: Sequence[float], costs: CostModel, max_k: int) -> int:
-    """The K for this step's batch (requests with these acceptance rates) that maximises
-    expected tokens per second; 0 when plain decoding is as good."""
+def best_draft_length(
+    rates: Sequence[float], costs: CostModel, max_k: int, depth: int | None = None
+) -> int:
+    """The K for this step's batch (requests with these acceptance rates, `depth` tokens deep
+    on average) that maximises expected tokens per second; 0 when plain decoding is as good."""
     batch = len(rates)
     if not batch:
         return 0
-    best_k, best = 0, batch / costs.verify_cost(batch, 1)
+    best_k, best = 0, batch / costs.verify_cost(batch, 1, depth)
     for k in range(1, max_k + 1):
-        seconds = costs.verify_cost(batch, k + 1) + k * costs.draft_cost(batch)
+        seconds = costs.verify_cost(batch, k + 1, depth) + k * costs.draft_cost(batch)
         speed = sum(expected_tokens(r, k) for r in rates) / seconds
         if speed > best * GAIN:  # a clear gain, not noise in the cost table
             best_k, best = k, speed
     return best_k
+
+
+def batch_depth(batch: Sequence) -> int:
+    """The tokens cached per sequence, on average, in a batch of requests."""
+    return sum(r.num_computed for r in batch) // max(len(batch), 1)

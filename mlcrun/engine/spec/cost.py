@@ -1,15 +1,17 @@
 """Measuring what a speculative step costs on this machine, for the adaptive draft length.
 
-Scratch sequences are prefilled to a moderate depth, then at each batch size the target runs
-a plain decode step and chain verifies of n tokens per sequence, and the draft model (if any)
-a decode step; each point is the fastest of a few timed calls after a warm-up (other work on
-the machine only ever adds time, and a cost table measured slow would stop speculation where
-it pays). The calls go round by round, one of each step per round, so that a burst of other
-work slows every step of a round alike rather than all calls of one step: a table whose plain
-step alone was timed during a burst makes verifies look cheap beside it, and drafts then run
-where they cost throughput (on 2 busy cores, a batch-16 decode step timed at twice its cost made
-16 requests under prompt lookup 15% slower than plain decoding). The caches are left as they
-were. Done once per model and machine (the caller caches the result).
+Scratch sequences are prefilled to a moderate depth, then at each batch size the target runs a
+plain decode step and chain verifies of n tokens per sequence, and the draft model (if any) a
+decode step; last, one sequence DEEP tokens deep (or as deep as the context window allows) runs
+the target's steps again, for what each token of depth adds (CostModel.deep). Each point is the
+fastest of a few timed calls after a warm-up (other work on the machine only ever adds time,
+and a cost table measured slow would stop speculation where it pays). The calls go round by
+round, one of each step per round, so that a burst of other work slows every step of a round
+alike rather than all calls of one step: a table whose plain step alone was timed during a
+burst makes verifies look cheap beside it, and drafts then run where they cost throughput (on 2
+busy cores, a batch-16 decode step timed at twice its cost made 16 requests under prompt lookup
+15% slower than plain decoding). The caches are left as they were. Done once per model and
+machine (the caller caches the result).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .adaptive import CostModel
 
 VERIFY_SIZES = (1, 2, 3, 5, 9)
 DEPTH = 64
+DEEP = 512  # the second depth, at batch 1: about where answers of a few hundred tokens decode
 REPEATS = 5
 
 
@@ -35,18 +38,15 @@ def measure_costs(
     draft: ModelRunner | None = None,
     max_tokens: int = 9,
     chunk: int = 512,
+    context_window: int = DEEP + 16,
 ) -> CostModel:
     sizes = sorted({n for n in VERIFY_SIZES if n <= max_tokens} | {1, max_tokens})
     batch_sizes = sorted(set(batch_sizes))
-    prompt = [(7 * i + 3) % 97 + 1 for i in range(DEPTH)]
+    costs = CostModel(depth=DEPTH)
     seqs = []
     try:
         for _ in range(batch_sizes[-1]):
-            seq_id, _, _ = kv.open([])
-            seqs.append(seq_id)
-            for cache in (runner, draft) if draft is not None else (runner,):
-                cache.batch_prefill(cache.token_embed(prompt), [seq_id], [DEPTH])
-        costs = CostModel()
+            seqs.append(_scratch(kv, (runner, draft), DEPTH, chunk))
         for b in batch_sizes:
             ids = seqs[:b]
             steps = {n: partial(_time_verify, runner, ids, n) for n in sizes if b * n <= chunk}
@@ -56,10 +56,33 @@ def measure_costs(
             costs.verify[b] = {n: t for n, t in best.items() if n}
             if draft is not None:
                 costs.draft[b] = best[0]
-        return costs
     finally:
         for seq_id in seqs:
             kv.close(seq_id)
+    deep = min(DEEP, context_window - max_tokens)
+    if deep >= 2 * DEPTH and kv.pages(deep + max_tokens) <= kv.free_pages():
+        seq_id = _scratch(kv, (runner,), deep, chunk)
+        try:
+            costs.deep = _fastest_by_rounds(
+                {n: partial(_time_verify, runner, [seq_id], n) for n in sizes}
+            )
+            costs.deep_depth = deep
+        finally:
+            kv.close(seq_id)
+    return costs
+
+
+def _scratch(kv: KVManager, caches, depth: int, chunk: int) -> int:
+    """A new sequence `depth` tokens deep in every cache given (None: skipped)."""
+    prompt = [(7 * i + 3) % 97 + 1 for i in range(depth)]
+    seq_id, _, _ = kv.open([])
+    for cache in caches:
+        if cache is None:
+            continue
+        for start in range(0, depth, chunk):
+            part = prompt[start : start + chunk]
+            cache.batch_prefill(cache.token_embed(part), [seq_id], [len(part)])
+    return seq_id
 
 
 def _fastest_by_rounds(steps: dict) -> dict:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..request import Request
-from .adaptive import GAIN, expected_tokens
+from .adaptive import GAIN, batch_depth, expected_tokens
 from .tree import DraftTree
 
 if TYPE_CHECKING:
@@ -97,8 +97,9 @@ class SpeculativeDecoder:
             expected_tokens(r.acceptance.rate, len(trees[r].chain)) if r in trees else 1.0
             for r in batch
         )
-        verify = e.costs.verify_cost(b, max(2, round(nodes / b)))
-        return tokens / verify > GAIN * b / e.costs.verify_cost(b, 1)
+        depth = batch_depth(batch)
+        verify = e.costs.verify_cost(b, max(2, round(nodes / b)), depth)
+        return tokens / verify > GAIN * b / e.costs.verify_cost(b, 1, depth)
 
     def _propose(self, batch: list[Request], lengths: dict[Request, int]) -> dict:
         drafting = [r for r in batch if lengths.get(r, 0) > 0]
