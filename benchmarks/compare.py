@@ -19,11 +19,13 @@ GGUF blocks' values exactly: Q4_0 -> q4f16_0 and Q4_1 -> q4f16_1, each with a q8
 Q8_0 -> q8f16, F32 -> q0f32).
 
 Every engine/format runs in its own fresh process. Each round starts with a STREAM-like triad
-(numpy, same thread count) in its own process, then runs every (model, engine, format) once in
-a random order (a fresh shuffle per round from one seeded generator; the seed and the orders go
-into the JSON). Medians over rounds are reported; ratios are paired by round (each round's
-mlcrun over the same round's peer), reported as the median of the per-round ratios with their
-range, and each model gets a tie threshold measured from that spread (`tie_threshold`).
+(numpy, same thread count) in its own process, then runs every (model, engine, format) once:
+the (model, format) cells in a random order and each cell's engines back to back in a random
+order (fresh shuffles per round from one seeded generator; the seed and the orders go into the
+JSON), so that the engines a ratio compares run close together in time. Medians over rounds are
+reported; ratios are paired by round (each round's mlcrun over the same round's peer), reported
+as the median of the per-round ratios with their range, and each model gets a tie threshold
+measured from that spread (`tie_threshold`).
 Per process: decode tokens/s at batch 1 (32-token prompt, 128 greedy tokens, EOS ignored;
 tokens after the first over the time after the first), prefill tokens/s and TTFT of a 512-token
 prompt, throughput with 16 concurrent requests (32-token prompts, 64 tokens each; generated
@@ -955,14 +957,23 @@ def versions() -> dict:
 
 
 def round_orders(keys: list[str], rounds: int, seed: int) -> list[list[str]]:
-    """Each round's order of the variants: a fresh shuffle of all of them (every model's),
-    from one seeded generator, so that no engine always runs first, last or after another."""
+    """Each round's order of the variants ("model/engine/format"), from one seeded generator:
+    the (model, format) cells in a fresh random order, and within each cell its engines back
+    to back, again in a fresh random order, so that no engine always runs first or last and
+    the engines whose ratio is reported run minutes apart at most, not a whole round apart
+    (this machine class's memory bandwidth drifts by 20% over minutes)."""
     rng = random.Random(seed)
+    cells: dict[tuple[str, str], list[str]] = {}
+    for key in keys:
+        model, _, fmt = key.split("/")
+        cells.setdefault((model, fmt), []).append(key)
     orders = []
     for _ in range(rounds):
-        order = list(keys)
+        order = list(cells.values())
         rng.shuffle(order)
-        orders.append(order)
+        for cell in order:
+            rng.shuffle(cell)
+        orders.append([key for cell in order for key in cell])
     return orders
 
 
@@ -1232,6 +1243,7 @@ def main() -> None:
         "rounds": args.rounds,
         "seed": seed,
         "round_orders": orders,
+        "order": "cells",  # round_orders: engines of a (model, format) back to back
         "quick": args.quick,
         "lengths": asdict(lengths) | {"kv_tokens": lengths.kv_tokens},
         "versions": versions(),

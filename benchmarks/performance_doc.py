@@ -1382,6 +1382,13 @@ def plot(doc: dict, path: Path) -> None:
 
 def rounds_text(doc: dict) -> str:
     """How the rounds were run, as the JSON records it."""
+    if doc.get("round_orders") is not None and doc.get("order") == "cells":
+        return (
+            f"{doc['rounds']} rounds, each running every engine and format once: the formats "
+            "in a random order and each format's engines back to back in a random order, so "
+            "that the engines a ratio compares run close together in time (seed "
+            f"{doc['seed']}; the orders are in the JSON)"
+        )
     if doc.get("round_orders") is not None:
         return (
             f"{doc['rounds']} rounds, each running every engine and format once in its own random "
@@ -1444,8 +1451,7 @@ def method_section(doc: dict) -> list[str]:
         "- Benchmarks are never tests: nothing here asserts a speed; tests check correctness.",
         f"- Rounds: {rounds_text(doc)}. A round starts with the bandwidth sweep, then runs each "
         "(model, engine, format) in a fresh process; a new order each round means no engine "
-        "always runs first, last, or right after the same neighbour. Medians over rounds are "
-        "reported.",
+        "always runs first or last. Medians over rounds are reported.",
         "- Ratios are paired by round: each round's mlcrun result over the same round's peer "
         "(run minutes apart, under the same conditions), then the median of those per-round "
         "ratios, with their range (min-max) in brackets. A round where either engine failed "
