@@ -26,9 +26,12 @@ from mlcrun.compiler.schedules.matmul import (  # noqa: E402
     ROWS_LONG_K_ACC_REGS,
     ROWS_SINGLE_ROW_MAX_MR,
     ROWS_VARIANTS,
+    YMM_BITS,
     GemmTuning,
+    MatmulInfo,
+    tile_config,
 )
-from mlcrun.compiler.target import cpu_target, cuda_target  # noqa: E402
+from mlcrun.compiler.target import cpu_target, cuda_target, vector_bits  # noqa: E402
 
 ROWS = (1, 3, 17, 128)
 RNG = np.random.default_rng(0)
@@ -151,18 +154,22 @@ def test_gemv_tunings_match_numpy(monkeypatch, stream_w: bool) -> None:
     # the same with 16 lanes and with AVX2's 8). On Zen 4 (K >= GEMM_LONG_K) every small-M
     # variant has 8 lanes and the chunk's 4 columns (ROWS_LONG_K_ACC_REGS), and the long-K
     # GEMV prefetches the tile GEMV_PREFETCH_TILES ahead (NR = 4).
+    # With AVX2's 16 ymm registers (YMM_ACC_REGS) 7 rows take one column.
     assert ROWS_VARIANTS == (2, 4, 7)
     assert ROWS_LONG_K_ACC_REGS // 7 >= 4
+    ymm = vector_bits(cpu_target()) == YMM_BITS
     (func,) = _scheduled_prim_funcs(_module(36, 1040, "float32", "none")).values()
     prefetches = func.script().count("llvm.prefetch")
-    assert prefetches == 1 + 4 + (4 + 4 + 4 if stream_w else 2 + 2)
-    # At N = 36, K = 72 (8 lanes: NR = 4 in every variant) Zen 4 reads W as one stream in the
-    # GEMV and in the small-M variants up to ROWS_SINGLE_ROW_MAX_MR rows (one W row per tile,
-    # prefetching the next row as the batch variant does): 1 + 1 + 1 + 4 against 1 + 4 + 4 + 4.
+    assert prefetches == 1 + 4 + (4 + 4 + 4 if stream_w else 2 + (1 if ymm else 2))
+    # At N = 36, K = 72 (8 lanes: NR = 4 in every variant; AVX2: 4, 2 and 1) Zen 4 reads W as
+    # one stream in the GEMV and in the small-M variants up to ROWS_SINGLE_ROW_MAX_MR rows (one
+    # W row per tile, prefetching the next row as the batch variant does): 1 + 1 + 1 + 4
+    # against 1 + 4 + 4 + 4.
     assert ROWS_SINGLE_ROW_MAX_MR == 4
     (func,) = _scheduled_prim_funcs(_module(36, 72, "float32", "none")).values()
     prefetches = func.script().count("llvm.prefetch")
-    assert prefetches == 1 + (1 + 1 if stream_w else 4 + 4) + 4
+    rows = (1 + 1 if stream_w else 4 + 2, 1) if ymm else (1 + 1 if stream_w else 4 + 4, 4)
+    assert prefetches == 1 + sum(rows)
     shapes = [(30, 40), (200, 72), (36, 1040), (30, 1028)]
     _check_fp32_residual_matmuls(shapes, (1, 2, 3, 4, 5, 17))
 
@@ -174,6 +181,21 @@ def test_gemm_tunings_match_numpy(monkeypatch, tuning: GemmTuning) -> None:
     tile divides (N = 30: NR = 3; K = 1028: 4 lanes) and M not a multiple of the tile rows."""
     monkeypatch.setattr(cpu_schedules, "gemm_tuning", lambda target: tuning)
     _check_fp32_residual_matmuls([(36, 1040), (30, 1028), (200, 72)], (BATCH_MAX_ROWS, 37, 40))
+
+
+def test_avx2_gemm_tiles_match_numpy(monkeypatch) -> None:
+    """AVX2's GEMM tiles (16 ymm registers: 4 rows x 3 columns where N % 3 == 0, else 6 x 2),
+    built for a 256-bit target whatever this CPU (an AVX-512 one runs them too), on M that no
+    tile's rows divide and K of 8 and 4 lanes."""
+
+    def tile(n: int, bits: int) -> tuple[int, int]:
+        cfg = tile_config(MatmulInfo(tirx.Var("m", "int64"), n, 72, 32, 32, None), bits, "gemm")
+        return cfg.mr, cfg.nr
+
+    assert (tile(36, 256), tile(40, 256), tile(36, 512)) == ((4, 3), (6, 2), (3, 4))
+    monkeypatch.setattr(cpu_schedules, "vector_bits", lambda target: 256)
+    shapes = [(36, 72), (40, 1040), (200, 72), (30, 1028)]
+    _check_fp32_residual_matmuls(shapes, (BATCH_MAX_ROWS, 37, 40))
 
 
 @pytest.mark.parametrize(

@@ -108,6 +108,20 @@ GEMM_MR = 3
 GEMM_LONG_K = 1024  # from this K on, GEMM_MR_LONG_K rows per tile (see above)
 GEMM_MR_LONG_K = 6
 LONG_K_LANES = 8  # 6 x 4 x 8 lanes x 4 B = 768 B of accumulators (16 lanes: a workspace)
+# AVX2 without AVX-512 (256-bit vectors, 16 registers): GEMM tiles of 4 rows x 3 columns where
+# N allows, else 6 x 2: 12 ymm accumulators either way, as in 3 x 4, but 3 x 4 ran at only 0.70x
+# numpy/OpenBLAS sgemm on every SmolLM2 and Qwen2.5-0.5B shape (M=512, one thread of an AMD
+# EPYC Zen 3, timed by thread CPU time, `schedule_micro.py --threads 1 --gemm-only`, tiles
+# swapped in the same process): 4 x 3 0.95-0.98x at K <= 896 and 0.87x at K = 1536 (SmolLM2's
+# down), 6 x 2 0.96-0.97x at K = 896 and 0.69x at K = 4864 (Qwen2.5-0.5B's down, N = 896; 3 x 4
+# 0.67-0.72x there).
+YMM_BITS = 256
+YMM_GEMM_TILES = {3: 4, 2: 6}  # NR -> MR
+# AVX2's few-row tiles (GEMV, small M, batch) keep at most this many of the 16 ymm registers
+# as accumulators; 1 KiB of them allowed 4 x 4 and 7 x 4 (28), which spilled. SmolLM2 F32,
+# a verify at depth 256 against a 1-token step, 2 threads, Zen 3: 5-6 tokens (7 rows x 1)
+# 1.66-2.31x -> 1.17-1.27x, 4 tokens (4 x 2) 1.15-1.27x -> 1.10-1.19x.
+YMM_ACC_REGS = 12
 GEMM_MIN_ROWS = 8  # the GEMM variant wins from ~7 rows (measured on 3072x576 weights)
 ROWS_VARIANTS = (2, 4, 7)  # MR of the small-M variants: each serves M up to its MR
 BATCH_MR = 2  # rows per tile of the batch variant (fp32 W, 3 <= M < BATCH_MAX_ROWS)
@@ -311,7 +325,8 @@ def tile_config(
     max_lanes = max(vector_bits // info.acc_bits, 1)
     lanes = _largest_divisor(info.k, [c for c in (64, 32, 16, 8, 4, 2) if c <= max_lanes])
     if kind == "gemm":
-        nr = _largest_divisor(info.n, [4, 3, 2])
+        ymm_only = vector_bits == YMM_BITS  # AVX2: 16 vector registers (see YMM_GEMM_TILES)
+        nr = _largest_divisor(info.n, [3, 2, 4] if ymm_only else [4, 3, 2])
         tiles = info.n // nr
         # Largest chunk whose W rows fit the L2 budget, so the A rows streamed over it reuse W,
         # but at least GEMM_MIN_CHUNKS chunks where N allows (tasks of a dequantized W).
@@ -320,10 +335,14 @@ def tile_config(
         per_chunk = max(d for d in range(1, min(tiles, max_tiles) + 1) if tiles % d == 0)
         long_k = tuning.long_k_ymm and info.k >= GEMM_LONG_K
         mr = GEMM_MR_LONG_K if long_k else GEMM_MR
-        if mr != GEMM_MR:
+        if ymm_only:
+            mr = YMM_GEMM_TILES.get(nr, mr)
+        elif mr != GEMM_MR:
             lanes = _largest_divisor(info.k, [c for c in (LONG_K_LANES, 4, 2) if c <= lanes])
         return TileConfig(mr=mr, nr=nr, lanes=lanes, nb=nr * per_chunk, kind=kind)
     max_nr = max(min(MAX_ACC_BYTES // (mr * lanes * info.acc_bits // 8), 4), 1)
+    if vector_bits == YMM_BITS:  # the accumulators must leave registers for A and W
+        max_nr = max(min(max_nr, YMM_ACC_REGS // mr), 1)
     if nb is not None:  # the chunking of another variant: NR must divide it
         return TileConfig(mr, _largest_divisor(nb, list(range(max_nr, 1, -1))), lanes, nb, kind)
     nr = _largest_divisor(info.n, [c for c in (4, 3, 2) if c <= max_nr])
