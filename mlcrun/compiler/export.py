@@ -14,6 +14,7 @@ from ..models.config import ModelConfig
 from ..quant import get_preset
 from ..quant.modules import quantize_model
 from .kv_kernels import replace_kv_kernels
+from .target import vector_bits
 from .workarounds import fix_tree_attn_order
 
 
@@ -35,7 +36,7 @@ def export_model(
         mod, params = model.export_tvm(spec=model.get_default_spec())
     mod = fix_tree_attn_order(mod)
     if target.kind.name == "llvm":
-        mod = replace_kv_kernels(mod, cfg, kv_dtype)
+        mod = replace_kv_kernels(mod, cfg, kv_dtype, vector_bits(target))
     infos = [(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in params]
     return mod, infos
 

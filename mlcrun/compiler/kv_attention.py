@@ -77,7 +77,9 @@ loaded as stored (float32 or float16) and widened. Two shapes of work:
   kernels): a task is a tile of 16 query rows that read the same keys (consecutive (token,
   head) rows of one sequence and one KV head: with GQA a tile spans a few tokens times the
   group's heads), one row per vector lane. Per 16 keys: qk = a 16-key x 16-row block of
-  multiply-adds with the key element broadcast (no horizontal sums), the online softmax on
+  multiply-adds with the key element broadcast (no horizontal sums; in passes of
+  TILE_KEY_BLOCKS keys over the head dimension, so that a pass's scores stay in the CPU's
+  vector registers: all 16 with AVX-512, 4 with AVX2), the online softmax on
   whole vectors, then the 16 x head_dim output block updated in 4-dimension strips. Every K/V
   element loaded serves 16 rows. Masks (causal, token tree, the ragged end of a page) are a
   compare and a select per key and row; a chunk past the end of a sequence is copied into a
@@ -110,6 +112,21 @@ import math
 from tvm.script import tirx as T
 
 from .schedules.int8 import prefetch as prefetch_line
+
+# Keys per pass of a row tile's scores (`_row_tile`): a pass keeps that many keys' scores of
+# its 16 rows in registers while it runs over the head dimension. With AVX-512 all 16 (16 zmm
+# of 32); with AVX2 a 16-lane vector is two ymm of its 16 registers, so 16 keys (32 ymm)
+# spilled, and 4 keys (8) measured best: SmolLM2's 9/3 heads, float32 pages, one thread of a
+# Zen 3, thread CPU time, 4 and 8 new tokens over 256 and 1024 cached ones: 16 / 8 / 4 / 2 keys
+# per pass 80.6 / 78.9 / 57.5 / 72.8, 153 / 150 / 106 / 138, 608 / 548 / 470 / 482, 1163 /
+# 1037 / 879 / 927 us.
+TILE_KEY_BLOCKS = {512: 16, 256: 4}
+
+
+def tile_key_block(vector_bits: int) -> int:
+    """Keys per score pass of the row tiles for a CPU with `vector_bits`-bit vectors."""
+    return TILE_KEY_BLOCKS.get(vector_bits, min(TILE_KEY_BLOCKS.values()))
+
 
 LANES = 16  # float32 lanes of a 512-bit vector: rows per tile, dimensions per decode vector
 KEYS = 16  # keys per chunk: one page of the CPU cache
@@ -648,13 +665,14 @@ def _direct_chunk(widen: bool, c, kv_n, first_key):
     return full if first_key is None else T.And(first_key <= c * KEYS, full)
 
 
-def _row_tile(D: int, G: int, dtype: str):
+def _row_tile(D: int, G: int, dtype: str, key_block: int = KEYS):
     """The tile body: 16 query rows of one sequence and KV head against its keys, chunk by
     chunk. The caller describes the keys with `full_index(which, c, cc, d)` (key c*KEYS+cc of
     a full chunk in its source buffer) and the rows' masks with `visible(j, lim, order)` (key j
     for a row whose per-row values are `lim` and `order`, see `tile`)."""
     widen = dtype != "float32"  # float16 chunks are widened once into the local buffers
     assert D % LANES == 0 and KEYS == LANES  # noqa: S101 (kv_kernels checks `supported`)
+    assert KEYS % key_block == 0  # noqa: S101
 
     @T.macro
     def chunk(s, qt, acc, st, ri, kref, vref, index, c, visible, qa, sa):
@@ -665,10 +683,13 @@ def _row_tile(D: int, G: int, dtype: str):
         for cc in T.unroll(KEYS):
             for r in T.vectorized(LANES):
                 s[cc, r] = T.float32(0)
-        for d in T.serial(D):
-            for cc in T.unroll(KEYS):
-                for r in T.vectorized(LANES):
-                    s[cc, r] = s[cc, r] + qt[qa + d, r] * kref[index(0, cc, d)].astype("float32")
+        for cb in T.serial(KEYS // key_block):
+            for d in T.serial(D):
+                for ci in T.unroll(key_block):
+                    for r in T.vectorized(LANES):
+                        s[cb * key_block + ci, r] = s[cb * key_block + ci, r] + qt[
+                            qa + d, r
+                        ] * kref[index(0, cb * key_block + ci, d)].astype("float32")
         for r in T.vectorized(LANES):
             st[sa + 1, r] = st[sa, r]
         for cc in T.unroll(KEYS):
@@ -924,13 +945,15 @@ def _short_ragged(H_qo: int, G: int, D: int):
     return rows
 
 
-def prefill_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
+def prefill_ragged_attention(
+    num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, key_block: int = KEYS
+):
     """The new tokens of each sequence attend to each other (causal or not) from the chunk's
     contiguous K/V; tiles of 16 rows, or row by row where the call has few tokens and keys
-    (RAGGED_SHORT)."""
+    (RAGGED_SHORT). `key_block`: see TILE_KEY_BLOCKS."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     G = H_qo // H_kv
-    tile = _row_tile(D, G, dtype)[0]
+    tile = _row_tile(D, G, dtype, key_block)[0]
     short_rows = _short_ragged(H_qo, G, D)
 
     @T.prim_func(s_tir=True)
@@ -1051,6 +1074,7 @@ def prefill_paged_attention(
     short_rows: int | None = None,
     window: int | None = None,
     tile_worth: int | None = None,
+    key_block: int = KEYS,
 ):
     """A chunk of new tokens per sequence attends to the sequence's cached (paged) K/V (RoPE
     already applied). A sequence of few new tokens (at most short_rows // G: a verify step)
@@ -1058,11 +1082,12 @@ def prefill_paged_attention(
     merged when the batch is small); longer chunks take tiles of 16 rows. Both kinds of task
     share one parallel loop, the short ones first. With `window` (a sliding_attention
     layer), it replaces TVM's `..._sliding_window` kernel: each row sees the cached keys
-    `_window_rows` gives it, and pages before the first row's window are not read."""
+    `_window_rows` gives it, and pages before the first row's window are not read.
+    `key_block`: see TILE_KEY_BLOCKS."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     info = _LengthInfo(window)
     G = H_qo // H_kv
-    tile, tile_start, tile_chunk = _row_tile(D, G, dtype)
+    tile, tile_start, tile_chunk = _row_tile(D, G, dtype, key_block)
     scores, values = _page_macros(G, D)
     prefetch = _row_prefetch(D, dtype)
     if short_rows is None:
@@ -1537,12 +1562,14 @@ def prefill_paged_attention(
     return batch_prefill_paged_kv_cpu
 
 
-def tree_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
+def tree_ragged_attention(
+    num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, key_block: int = KEYS
+):
     """The nodes of each sequence's token tree attend to their ancestors among the new tokens
     (TVM's `batch_tree_attn`, same signature; rotary_mode must be 0)."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     G = H_qo // H_kv
-    tile = _row_tile(D, G, dtype)[0]
+    tile = _row_tile(D, G, dtype, key_block)[0]
 
     @T.prim_func(s_tir=True)
     def batch_tree_attn(
@@ -1636,13 +1663,15 @@ def tree_ragged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
     return batch_tree_attn
 
 
-def tree_paged_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
+def tree_paged_attention(
+    num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, key_block: int = KEYS
+):
     """The nodes of each sequence's token tree attend to the sequence's cached K/V, the tree
     itself being its last keys (TVM's `tree_attn_paged_kv_cpu`, same signature; used when the
     tree's K/V were appended before attention)."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     G = H_qo // H_kv
-    tile = _row_tile(D, G, dtype)[0]
+    tile = _row_tile(D, G, dtype, key_block)[0]
 
     @T.prim_func(s_tir=True)
     def tree_attn_paged_kv_cpu(

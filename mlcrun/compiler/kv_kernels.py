@@ -160,9 +160,13 @@ def split_rotary(
     return fused_rope
 
 
-def replace_kv_kernels(mod: tvm.IRModule, cfg, kv_dtype: str = "float32") -> tvm.IRModule:
+def replace_kv_kernels(
+    mod: tvm.IRModule, cfg, kv_dtype: str = "float32", vector_bits: int = 512
+) -> tvm.IRModule:
     """Swap our kernels in for TVM's, by the names TIRPagedKVCache gives them (llvm only).
-    `kv_dtype` must be the dtype the cache was created with (models/common.py)."""
+    `kv_dtype` must be the dtype the cache was created with (models/common.py); `vector_bits`
+    is the target's vector width (the row tiles' keys per pass, kv_attention.TILE_KEY_BLOCKS)."""
+    tiles = {"key_block": kv_attention.tile_key_block(vector_bits)}
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unsupported KV-cache dtype {kv_dtype!r}")
     kernels = {
@@ -184,7 +188,11 @@ def replace_kv_kernels(mod: tvm.IRModule, cfg, kv_dtype: str = "float32") -> tvm
         # Such models keep TVM's attention kernels.
         for name, factory in ATTENTION.items():
             kernels[name] = factory(
-                cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, kv_dtype
+                cfg.num_key_value_heads,
+                cfg.num_attention_heads,
+                cfg.head_dim,
+                kv_dtype,
+                **(tiles if name != DECODE_NAME else {}),
             )
         if cfg.local_window:  # the window models/common.py gives the cache
             for name, factory in WINDOWED.items():
@@ -194,6 +202,7 @@ def replace_kv_kernels(mod: tvm.IRModule, cfg, kv_dtype: str = "float32") -> tvm
                     cfg.head_dim,
                     kv_dtype,
                     window=cfg.local_window,
+                    **(tiles if name != DECODE_NAME + WINDOW_SUFFIX else {}),
                 )
     found = {gv.name_hint: gv for gv in mod.get_global_vars()}
     missing = [name for name in kernels if name not in found]

@@ -492,6 +492,33 @@ def test_tree_paged(shape, dtype):
     _check(out, lse, (want_out, want_lse), dtype)
 
 
+@pytest.mark.parametrize("key_block", sorted(set(A.TILE_KEY_BLOCKS.values()) - {A.KEYS}))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_tiles_in_key_blocks(monkeypatch, dtype, key_block):
+    """The row tiles with fewer keys per score pass (AVX2's, TILE_KEY_BLOCKS), built for any
+    CPU: paged prefill (long tiles, and the tile pass of a short sequence's rows), ragged
+    prefill in tiles, and both tree kernels."""
+    for name in (
+        "prefill_paged_attention",
+        "prefill_ragged_attention",
+        "tree_ragged_attention",
+        "tree_paged_attention",
+    ):
+        factory = getattr(A, name)
+
+        def blocked(*args, factory=factory, **kwargs):
+            return factory(*args, key_block=key_block, **kwargs)
+
+        blocked.__name__ = f"{name}_{key_block}"  # its own entry in _build's cache
+        monkeypatch.setattr(A, name, blocked)
+    for shape in [(9, 3, 64), (6, 2, 32)]:
+        for causal in (0, 1):
+            _check_prefill_paged(shape, dtype, causal, [40, 7, 0, 16, 70], [5, 7, 0, 3, 20])
+            test_prefill_ragged(shape, dtype, causal, RAGGED_LENS["tiles"])
+        test_tree_ragged(shape, dtype)
+        test_tree_paged(shape, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [37, A.MERGE_SERIAL], ids=["parallel", "serial"])
 def test_merge_state(dtype, n):
