@@ -193,8 +193,20 @@ LONE_CHUNK_PAGES = 8  # ... and into more chunks (a power of two) of at least th
 # matters more) 6 rows win, 8 and 9 lose.
 SHORT_ROWS = {"float32": 24, "float16": 6}
 # A short sequence's page step runs in row tiles from TILE_WORTH rows per KV head and tile
-# needed on (11 rows in one tile, 22 in two; measured in the module docstring).
+# needed on (11 rows in one tile, 22 in two; measured in the module docstring). With AVX2's
+# key-blocked tiles (TILE_KEY_BLOCKS) from 8: one Zen 3 thread, SmolLM2's 9/3 heads, float32
+# pages, 3, 6 and 7 new tokens (9, 18, 21 rows) over 64-1024 cached ones 20-50% faster in
+# tiles (depth 256: 143 -> 93, 177 -> 117, 201 -> 116 us); 2 tokens (6 rows) stay rows
+# (tiles 5-37% slower at depth 64-256).
 TILE_WORTH = 11
+TILE_WORTH_BY_BITS = {512: TILE_WORTH, 256: 8}
+
+
+def tile_worth(vector_bits: int) -> int:
+    """TILE_WORTH for a CPU with `vector_bits`-bit vectors."""
+    return TILE_WORTH_BY_BITS.get(vector_bits, TILE_WORTH)
+
+
 # A ragged call of at most RAGGED_SHORT new tokens and keys in all (a verify of a few tokens)
 # runs row by row on the calling thread (`_short_ragged`), and a merge of at most MERGE_SERIAL
 # rows too: a thread-pool launch and 16-row tiles cost more than such work.

@@ -165,8 +165,10 @@ def replace_kv_kernels(
 ) -> tvm.IRModule:
     """Swap our kernels in for TVM's, by the names TIRPagedKVCache gives them (llvm only).
     `kv_dtype` must be the dtype the cache was created with (models/common.py); `vector_bits`
-    is the target's vector width (the row tiles' keys per pass, kv_attention.TILE_KEY_BLOCKS)."""
+    is the target's vector width (the row tiles' keys per pass, kv_attention.TILE_KEY_BLOCKS,
+    and from how many rows a few tokens' paged attention takes them, TILE_WORTH_BY_BITS)."""
     tiles = {"key_block": kv_attention.tile_key_block(vector_bits)}
+    paged = {**tiles, "tile_worth": kv_attention.tile_worth(vector_bits)}
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unsupported KV-cache dtype {kv_dtype!r}")
     kernels = {
@@ -192,7 +194,7 @@ def replace_kv_kernels(
                 cfg.num_attention_heads,
                 cfg.head_dim,
                 kv_dtype,
-                **(tiles if name != DECODE_NAME else {}),
+                **{DECODE_NAME: {}, PREFILL_PAGED_NAME: paged}.get(name, tiles),
             )
         if cfg.local_window:  # the window models/common.py gives the cache
             for name, factory in WINDOWED.items():
@@ -202,7 +204,7 @@ def replace_kv_kernels(
                     cfg.head_dim,
                     kv_dtype,
                     window=cfg.local_window,
-                    **(tiles if name != DECODE_NAME + WINDOW_SUFFIX else {}),
+                    **(paged if name != DECODE_NAME + WINDOW_SUFFIX else {}),
                 )
     found = {gv.name_hint: gv for gv in mod.get_global_vars()}
     missing = [name for name in kernels if name not in found]

@@ -492,12 +492,15 @@ def test_tree_paged(shape, dtype):
     _check(out, lse, (want_out, want_lse), dtype)
 
 
-@pytest.mark.parametrize("key_block", sorted(set(A.TILE_KEY_BLOCKS.values()) - {A.KEYS}))
+@pytest.mark.parametrize("bits", [b for b, keys in A.TILE_KEY_BLOCKS.items() if keys != A.KEYS])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_tiles_in_key_blocks(monkeypatch, dtype, key_block):
-    """The row tiles with fewer keys per score pass (AVX2's, TILE_KEY_BLOCKS), built for any
-    CPU: paged prefill (long tiles, and the tile pass of a short sequence's rows), ragged
-    prefill in tiles, and both tree kernels."""
+def test_row_tiles_in_key_blocks(monkeypatch, dtype, bits):
+    """The row tiles as a CPU with `bits`-bit vectors gets them (AVX2: fewer keys per score
+    pass, TILE_KEY_BLOCKS, and the tile pass from fewer rows, TILE_WORTH_BY_BITS), built for
+    any CPU: paged prefill (long tiles, and the tile pass of a short sequence's 9 and 15
+    rows), ragged prefill in tiles, and both tree kernels."""
+    key_block, worth = A.tile_key_block(bits), A.tile_worth(bits)
+    assert worth <= 9  # the 3 new tokens of (9, 3, 64) below take the tile pass
     for name in (
         "prefill_paged_attention",
         "prefill_ragged_attention",
@@ -505,11 +508,12 @@ def test_row_tiles_in_key_blocks(monkeypatch, dtype, key_block):
         "tree_paged_attention",
     ):
         factory = getattr(A, name)
+        extra = {"tile_worth": worth} if name == "prefill_paged_attention" else {}
 
-        def blocked(*args, factory=factory, **kwargs):
-            return factory(*args, key_block=key_block, **kwargs)
+        def blocked(*args, factory=factory, extra=extra, **kwargs):
+            return factory(*args, key_block=key_block, **extra, **kwargs)
 
-        blocked.__name__ = f"{name}_{key_block}"  # its own entry in _build's cache
+        blocked.__name__ = f"{name}_{bits}"  # its own entry in _build's cache
         monkeypatch.setattr(A, name, blocked)
     for shape in [(9, 3, 64), (6, 2, 32)]:
         for causal in (0, 1):
