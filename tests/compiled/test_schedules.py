@@ -136,6 +136,7 @@ def test_gemm_tuning_follows_the_cpu() -> None:
     half = DEFAULT_L2_BYTES // 2
     assert GemmTuning.for_cpu(2 << 20, "sapphirerapids") == GemmTuning(1 << 20)
     assert GemmTuning.for_cpu(None, "znver4") == GemmTuning(half, True, True, True)
+    assert GemmTuning.for_cpu(None, "znver3") == GemmTuning(half, stream_w=True, stream_w16=True)
     assert GemmTuning.for_cpu(None, "znver1") == GemmTuning(half, stream_w16=True)
 
 
@@ -151,16 +152,17 @@ def test_gemv_tunings_match_numpy(monkeypatch, stream_w: bool) -> None:
     # Prefetches per K step at N = 36, K = 1040 (chunks of 4 columns). Either way the batch
     # variant's 1 (one W row per row tile) and, in each small-M variant, the whole next tile
     # (NR rows: 4 for MR = 2, 2 for MR = 4 and 7, whose accumulators allow fewer columns;
-    # the same with 16 lanes and with AVX2's 8). On Zen 4 (K >= GEMM_LONG_K) every small-M
-    # variant has 8 lanes and the chunk's 4 columns (ROWS_LONG_K_ACC_REGS), and the long-K
-    # GEMV prefetches the tile GEMV_PREFETCH_TILES ahead (NR = 4).
-    # With AVX2's 16 ymm registers (YMM_ACC_REGS) 7 rows take one column.
+    # with AVX2's 16 ymm registers, YMM_ACC_REGS, 7 rows take one). With stream_w (K >=
+    # GEMM_LONG_K) every small-M variant has 8 lanes and the chunk's 4 columns
+    # (ROWS_LONG_K_ACC_REGS; AVX2: 4, 2 and 1 by YMM_ACC_REGS), and the long-K GEMV
+    # prefetches the tile GEMV_PREFETCH_TILES ahead (NR = 4).
     assert ROWS_VARIANTS == (2, 4, 7)
     assert ROWS_LONG_K_ACC_REGS // 7 >= 4
     ymm = vector_bits(cpu_target()) == YMM_BITS
     (func,) = _scheduled_prim_funcs(_module(36, 1040, "float32", "none")).values()
     prefetches = func.script().count("llvm.prefetch")
-    assert prefetches == 1 + 4 + (4 + 4 + 4 if stream_w else 2 + (1 if ymm else 2))
+    small = ((4 + 2 + 1) if ymm else (4 + 4 + 4)) if stream_w else 2 + (1 if ymm else 2)
+    assert prefetches == 1 + 4 + small
     # At N = 36, K = 72 (8 lanes: NR = 4 in every variant; AVX2: 4, 2 and 1) Zen 4 reads W as
     # one stream in the GEMV and in the small-M variants up to ROWS_SINGLE_ROW_MAX_MR rows (one
     # W row per tile, prefetching the next row as the batch variant does): 1 + 1 + 1 + 4

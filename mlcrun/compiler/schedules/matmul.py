@@ -135,8 +135,12 @@ PREFETCH_LOCALITY = 2  # llvm.prefetch locality of the row variants' W prefetch 
 # (NR=4 -> chosen): SmolLM2 qkv 21.7 -> 28.9, o 29.6 -> 56.3 (L3-resident), gate_up 23.5 ->
 # 43.4, lm_head 20.3 -> 27.4 (1 row); down (K = 1536) 30.3 -> 40.5, Qwen2.5-0.5B down
 # (K = 4864) 40.8 -> 43.1 (prefetch; one row there: 28.7, 32.1); Qwen gate_up 27.9 -> 49.5.
+# Zen 3 the same: SmolLM2's F32 decode step (2 threads, an AMD EPYC Zen 3, alternating runs,
+# its memory bandwidth drifting) 28.3-32.5 -> 22.0-23.3 ms, and in 3 of 4 later pairs 10-20%
+# less. (Zen 1 read a float32 W at its bandwidth either way.)
 GEMV_SINGLE_ROW_MAX_K = 1023
 GEMV_PREFETCH_TILES = 2
+STREAM_W_CPUS = ("znver3", "znver4", "znver5")
 # The small-M variants have one row tile, so the batch variant's prefetch (one W row of the
 # next tile per row tile) fetched only the first of its NR rows. On Zen 4 all NR rows, one
 # tile ahead: SmolLM2's 30 layers + lm_head, 2 threads, M = 2: 25.7 -> 19.8 ms, M = 4:
@@ -188,12 +192,14 @@ class GemmTuning:
     @classmethod
     def for_cpu(cls, l2_bytes: int | None, mcpu: str) -> GemmTuning:
         """Chunks of half the L2 (the other half: A tiles, the epilogue, prefetch); on Zen 4
-        (`znver4`) the ymm long-K tiles (a zmm FMA is two ymm halves there) and the GEMV and
-        small-M tiles shaped for its prefetchers (GEMV_SINGLE_ROW_MAX_K)."""
+        (`znver4`) the ymm long-K tiles (a zmm FMA is two ymm halves there); from Zen 3 on
+        (STREAM_W_CPUS) the GEMV and small-M tiles shaped for its prefetchers
+        (GEMV_SINGLE_ROW_MAX_K)."""
         zen4 = mcpu == "znver4"
         zen = mcpu.startswith("znver")
         l2_half = (l2_bytes or DEFAULT_L2_BYTES) // 2
-        return cls(l2_half, long_k_ymm=zen4, stream_w=zen4, stream_w16=zen)
+        stream_w = mcpu in STREAM_W_CPUS
+        return cls(l2_half, long_k_ymm=zen4, stream_w=stream_w, stream_w16=zen)
 
 
 @dataclass(frozen=True)
@@ -691,7 +697,8 @@ def _small_m_config(
         if info.k >= GEMM_LONG_K:  # wide tiles of 8 lanes (ROWS_LONG_K_ACC_REGS)
             lanes = _largest_divisor(info.k, [c for c in (LONG_K_LANES, 4, 2) if c <= cfg.lanes])
             acc_bytes = mr * lanes * info.acc_bits // 8
-            max_nr = min(ROWS_LONG_K_ACC_REGS // mr, MAX_ACC_BYTES // acc_bytes)
+            regs = YMM_ACC_REGS if vector_bits == YMM_BITS else ROWS_LONG_K_ACC_REGS
+            max_nr = max(min(regs // mr, MAX_ACC_BYTES // acc_bytes), 1)
             nr = _largest_divisor(cfg.nb, list(range(max_nr, 1, -1)))
             cfg = replace(cfg, lanes=lanes, nr=nr)
     if w_bits == 32 or tuning.streams(w_bits):
