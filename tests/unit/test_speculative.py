@@ -487,20 +487,26 @@ class TimedRunner(FakeRunner):
         return super().batch_verify(embeddings, seq_ids, lengths, token_tree_parent_ptr)
 
 
+def _timed_config(monkeypatch, sequences: int, tokens: int) -> tuple:
+    """A fake clock that cost.py times with, and an ngram engine config for TimedRunners."""
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(cost, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    config = EngineConfig(
+        max_num_sequence=sequences,
+        max_total_sequence_length=tokens,
+        prefill_chunk_size=64,
+        kv_cache_page_size=4,
+        speculative_mode="ngram",
+    )
+    return clock, config
+
+
 def test_step_costs_are_measured_round_by_round(monkeypatch):
     """Six consecutive calls twice as slow, wherever they fall in the measurement, leave the
     cost table exact: every step is timed once per round and its fastest round counts, so no
     step has all its timed calls inside the burst (timed call by call, a burst over one step's
     calls made that step alone look twice as slow)."""
-    clock = types.SimpleNamespace(now=0.0)
-    monkeypatch.setattr(cost, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
-    config = EngineConfig(
-        max_num_sequence=8,
-        max_total_sequence_length=2048,
-        prefill_chunk_size=64,
-        kv_cache_page_size=4,
-        speculative_mode="ngram",
-    )
+    clock, config = _timed_config(monkeypatch, 8, 2048)
     for start in range(0, 60, 3):
         runner = TimedRunner(clock, range(start, start + 6), vocab_size=128)
         engine = Engine(runner, config, context_window=256, cost_model=FLAT)
@@ -528,15 +534,7 @@ def test_step_costs_follow_the_depth_of_the_cache(monkeypatch):
     deep as the context window allows; a verify deeper in the cache costs what the runner
     takes there (every 32-token depth bucket exactly), and not less than at the table's depth
     for shallower ones."""
-    clock = types.SimpleNamespace(now=0.0)
-    monkeypatch.setattr(cost, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
-    config = EngineConfig(
-        max_num_sequence=4,
-        max_total_sequence_length=4096,
-        prefill_chunk_size=64,
-        kv_cache_page_size=4,
-        speculative_mode="ngram",
-    )
+    clock, config = _timed_config(monkeypatch, 4, 4096)
     runner = DepthRunner(clock, (), vocab_size=128)
     engine = Engine(runner, config, context_window=300, cost_model=FLAT)
     table = engine.measure_costs()
@@ -557,15 +555,7 @@ def test_step_costs_follow_the_depth_of_the_cache(monkeypatch):
 
 
 def test_a_window_too_short_for_a_second_depth_leaves_the_table_flat(monkeypatch):
-    clock = types.SimpleNamespace(now=0.0)
-    monkeypatch.setattr(cost, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
-    config = EngineConfig(
-        max_num_sequence=2,
-        max_total_sequence_length=512,
-        prefill_chunk_size=64,
-        kv_cache_page_size=4,
-        speculative_mode="ngram",
-    )
+    clock, config = _timed_config(monkeypatch, 2, 512)
     engine = Engine(DepthRunner(clock, (), vocab_size=128), config, context_window=100)
     assert engine.costs.deep == {} and engine.costs.deep_depth == 0
     assert engine.costs.verify_cost(1, 5, 90) == engine.costs.verify_cost(1, 5)
