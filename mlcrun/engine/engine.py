@@ -27,7 +27,6 @@ from .runner import ModelRunner
 from .sampler import check_vocab, sample_batch
 from .scheduler import Scheduler
 from .spec.adaptive import (
-    DEPTH_STEP,
     PRIOR_ACCEPTANCE,
     PROBE_LENGTH,
     CostModel,
@@ -461,7 +460,7 @@ class Engine:
         memoized by depth bucket."""
         if self.config.spec_draft_length:
             return True
-        key = (batch, rate, None if depth is None else depth // DEPTH_STEP)
+        key = (batch, rate, self.costs.depth_bucket(depth))
         pays = self._pays.get(key)
         if pays is None:
             max_k = self.config.spec_max_draft_length

@@ -58,9 +58,7 @@ class CostModel:
     def verify_cost(self, batch: int, tokens: int, depth: int | None = None) -> float:
         """One verify of `tokens` tokens per sequence for `batch` sequences `depth` tokens deep
         on average (None: the table's own depth)."""
-        extra = 0
-        if depth is not None and self.deep and depth > self.depth:
-            extra = -(-(depth - self.depth) // DEPTH_STEP)  # buckets beyond the table's depth
+        extra = self.depth_bucket(depth)
         cost = self._memo.get((batch, tokens, extra))
         if cost is None:
             cost = _interpolate(_nearest(self.verify, batch), tokens)
@@ -68,6 +66,13 @@ class CostModel:
                 cost += batch * extra * DEPTH_STEP * self._per_depth(tokens)
             self._memo[batch, tokens, extra] = cost
         return cost
+
+    def depth_bucket(self, depth: int | None) -> int:
+        """The DEPTH_STEP buckets `depth` lies beyond the table's depth (0: costed as measured);
+        verifies in the same bucket cost the same."""
+        if depth is None or not self.deep or depth <= self.depth:
+            return 0
+        return -(-(depth - self.depth) // DEPTH_STEP)
 
     def _per_depth(self, tokens: int) -> float:
         """Seconds per token of depth that a one-sequence verify of `tokens` tokens adds
