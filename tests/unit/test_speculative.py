@@ -387,12 +387,24 @@ BATCH_BOUND = CostModel(
 )
 
 
-def _assert_the_draft_model_does_no_work(ps, params):
-    """Draft mode under BATCH_BOUND gives plain decoding's answers without feeding the draft
+# Drafting pays 16 tokens deep at any batch and never from 17 on, even drafts always right: a
+# verify's attention, and a draft step's, grow steeply with the depth.
+DEPTH_BOUND = CostModel(
+    verify={1: {1: 1.0, 2: 1.02, 9: 1.2}},
+    draft={1: 0.01},
+    depth=16,
+    deep={1: 2.0, 2: 4.2, 9: 20.0},
+    deep_depth=48,
+    deep_draft=0.5,
+)
+
+
+def _assert_the_draft_model_does_no_work(ps, params, costs=BATCH_BOUND):
+    """Draft mode under `costs` gives plain decoding's answers without feeding the draft
     model a token or running a speculative step."""
     plain = generate(*make(script=COPYING), ps, params)
     draft = CountingRunner(vocab_size=64, script=COPYING, script_from=0)
-    engine, runner, draft = make("draft", 0, 1, draft, script=COPYING, costs=BATCH_BOUND)
+    engine, runner, draft = make("draft", 0, 1, draft, script=COPYING, costs=costs)
     spec = generate(engine, runner, draft, ps, params)
     assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
     assert draft.fed == 0 and engine.stats.spec_steps == 0
@@ -465,6 +477,14 @@ def test_a_draft_does_not_catch_up_while_its_batch_fills():
     _assert_the_draft_model_does_no_work(ps, params)
 
 
+def test_prompts_too_deep_for_drafting_to_pay_are_not_fed_to_the_draft_model():
+    """Two 40-token prompts decode where no draft pays (DEPTH_BOUND), though one would at the
+    cost table's own depth: the draft model takes neither prompt, nor a catch-up, nor a probe
+    (priced at the table's depth, the prompts were prefilled into it for nothing)."""
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    _assert_the_draft_model_does_no_work([COPYING[:40], COPYING[2:42]], params, DEPTH_BOUND)
+
+
 class TimedRunner(FakeRunner):
     """A runner on a fake clock: per sequence a decode step takes 1 and a verify of n tokens
     1 + 0.1 (n - 1); the decode and verify calls numbered in `burst` take twice as long (other
@@ -487,8 +507,8 @@ class TimedRunner(FakeRunner):
         return super().batch_verify(embeddings, seq_ids, lengths, token_tree_parent_ptr)
 
 
-def _timed_config(monkeypatch, sequences: int, tokens: int) -> tuple:
-    """A fake clock that cost.py times with, and an ngram engine config for TimedRunners."""
+def _timed_config(monkeypatch, sequences: int, tokens: int, mode: str = "ngram") -> tuple:
+    """A fake clock that cost.py times with, and an engine config for TimedRunners."""
     clock = types.SimpleNamespace(now=0.0)
     monkeypatch.setattr(cost, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
     config = EngineConfig(
@@ -496,7 +516,8 @@ def _timed_config(monkeypatch, sequences: int, tokens: int) -> tuple:
         max_total_sequence_length=tokens,
         prefill_chunk_size=64,
         kv_cache_page_size=4,
-        speculative_mode="ngram",
+        speculative_mode=mode,
+        draft_model="d" if mode == "draft" else None,
     )
     return clock, config
 
@@ -552,6 +573,35 @@ def test_step_costs_follow_the_depth_of_the_cache(monkeypatch):
                 assert table.verify_cost(b, n, depth) == pytest.approx(true(b, n, depth)), (b, n)
     # a depth between buckets is costed at the bucket's end
     assert table.verify_cost(1, 5, 97) == pytest.approx(true(1, 5, 128))
+
+
+class DepthDraft(DepthRunner):
+    """A draft model a tenth the target's size whose attention is the target's (a self-draft):
+    per sequence 0.1 a decode step, plus 0.002 per token cached."""
+
+    def _spend(self, seconds: float) -> None:
+        super()._spend(0.1 * seconds)
+
+
+def test_draft_steps_are_costed_at_the_depth_of_the_cache(monkeypatch):
+    """A draft model's attention grows with the depth as the target's does: its decode step is
+    measured at the deep point too, and a draft step deeper in the cache costs what the draft
+    runner takes there. Priced at the table's depth alone, drafts looked cheap beside verifies
+    priced at their depth: 4 requests 512 tokens deep at acceptance 0.8 drafted a token per
+    step, at 0.42 tokens per second of these runners against plain decoding's 0.49."""
+    clock, config = _timed_config(monkeypatch, 4, 4096, mode="draft")
+    runner, draft = DepthRunner(clock, (), vocab_size=128), DepthDraft(clock, (), vocab_size=128)
+    engine = Engine(runner, config, context_window=300, draft_runner=draft, cost_model=FLAT)
+    table = engine.measure_costs()
+    assert CostModel.from_dict(table.to_dict()) == table
+    for b in (1, 2, 4):
+        assert table.draft_cost(b) == pytest.approx(b * (0.1 + 0.002 * 64))
+        for depth in (96, 256, 1024):
+            assert table.draft_cost(b, depth) == pytest.approx(b * (0.1 + 0.002 * depth)), b
+    shallow_priced = CostModel(table.verify, table.draft, table.depth, table.deep, table.deep_depth)
+    assert best_draft_length([0.8] * 4, table, 8, 64) == 2  # drafting pays near the top
+    assert best_draft_length([0.8] * 4, table, 8, 512) == 0
+    assert best_draft_length([0.8] * 4, shallow_priced, 8, 512) == 1
 
 
 def test_a_window_too_short_for_a_second_depth_leaves_the_table_flat(monkeypatch):

@@ -42,13 +42,22 @@ class CostModel:
     on 2 cores of an AVX2 EPYC: a 5-token verify 1.72x a plain step at 64 tokens, 1.89x at
     512; on an AVX-512 one 1.22x at 64 and 1.67x at 350). A verify at
     another depth adds, per sequence, the batch-1 cost per token of depth times the depth
-    beyond `depth` (attention is linear in the depth and in the sequences)."""
+    beyond `depth` (attention is linear in the depth and in the sequences).
+
+    `deep_draft` is the draft model's decode step of that sequence (0: no draft model, or
+    not measured), for the same per-token growth of a draft step: a draft model's attention
+    grows with the depth as the target's does (a self-draft's is the target's own shape), so
+    a table that priced drafts at `depth` alone found them cheap beside depth-priced verifies
+    and drafted where it cost throughput (16 requests, SmolLM2 F32 with its q4 self-draft,
+    2 threads of a Xeon: 0.65-0.76x plain decoding, drafts made and then not verified; priced
+    at their depth, no drafts and 0.93-0.97x)."""
 
     verify: dict[int, dict[int, float]] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
     depth: int = 0
     deep: dict[int, float] = field(default_factory=dict)
     deep_depth: int = 0
+    deep_draft: float = 0.0
     # Interpolated costs, asked for every step: (batch, tokens, depth bucket) -> seconds,
     # 0 tokens = a draft.
     _memo: dict[tuple[int, int, int], float] = field(
@@ -81,12 +90,19 @@ class CostModel:
         deep = _interpolate(self.deep, tokens)
         return max(0.0, (deep - shallow) / (self.deep_depth - self.depth))
 
-    def draft_cost(self, batch: int) -> float:
+    def draft_cost(self, batch: int, depth: int | None = None) -> float:
+        """One draft-model decode step of `batch` sequences `depth` tokens deep on average."""
         if not self.draft:
             return 0.0
-        cost = self._memo.get((batch, 0, 0))
+        extra = self.depth_bucket(depth) if self.deep_draft else 0
+        cost = self._memo.get((batch, 0, extra))
         if cost is None:
-            cost = self._memo[batch, 0, 0] = _interpolate(self.draft, batch)
+            cost = _interpolate(self.draft, batch)
+            if extra:
+                shallow = self.draft[min(self.draft)]
+                per_depth = max(0.0, (self.deep_draft - shallow) / (self.deep_depth - self.depth))
+                cost += batch * extra * DEPTH_STEP * per_depth
+            self._memo[batch, 0, extra] = cost
         return cost
 
     def to_dict(self) -> dict:
@@ -98,6 +114,7 @@ class CostModel:
             "depth": self.depth,
             "deep": {str(n): t for n, t in self.deep.items()},
             "deep_depth": self.deep_depth,
+            "deep_draft": self.deep_draft,
         }
 
     @classmethod
@@ -111,6 +128,7 @@ class CostModel:
             int(data.get("depth", 0)),
             {int(n): float(t) for n, t in data.get("deep", {}).items()},
             int(data.get("deep_depth", 0)),
+            float(data.get("deep_draft", 0.0)),
         )
 
 
@@ -188,7 +206,7 @@ def best_draft_length(
         return 0
     best_k, best = 0, batch / costs.verify_cost(batch, 1, depth)
     for k in range(1, max_k + 1):
-        seconds = costs.verify_cost(batch, k + 1, depth) + k * costs.draft_cost(batch)
+        seconds = costs.verify_cost(batch, k + 1, depth) + k * costs.draft_cost(batch, depth)
         speed = sum(expected_tokens(r, k) for r in rates) / seconds
         if speed > best * GAIN:  # a clear gain, not noise in the cost table
             best_k, best = k, speed

@@ -3,9 +3,10 @@
 Scratch sequences are prefilled to a moderate depth, then at each batch size the target runs a
 plain decode step and chain verifies of n tokens per sequence, and the draft model (if any) a
 decode step; last, one sequence DEEP tokens deep (or as deep as the context window allows) runs
-the target's steps again, for what each token of depth adds (CostModel.deep). Each point is the
-fastest of a few timed calls after a warm-up (other work on the machine only ever adds time,
-and a cost table measured slow would stop speculation where it pays). The calls go round by
+the target's steps and the draft model's decode step again, for what each token of depth adds
+(CostModel.deep, CostModel.deep_draft). Each point is the fastest of a few timed calls after a
+warm-up (other work on the machine only ever adds time, and a cost table measured slow would
+stop speculation where it pays). The calls go round by
 round, one of each step per round, so that a burst of other work slows every step of a round
 alike rather than all calls of one step: a table whose plain step alone was timed during a
 burst makes verifies look cheap beside it, and drafts then run where they cost throughput (on 2
@@ -61,11 +62,14 @@ def measure_costs(
             kv.close(seq_id)
     deep = min(DEEP, context_window - max_tokens)
     if deep >= 2 * DEPTH and kv.pages(deep + max_tokens) <= kv.free_pages():
-        seq_id = _scratch(kv, (runner,), deep, chunk)
+        seq_id = _scratch(kv, (runner, draft), deep, chunk)
         try:
-            costs.deep = _fastest_by_rounds(
-                {n: partial(_time_verify, runner, [seq_id], n) for n in sizes}
-            )
+            steps = {n: partial(_time_verify, runner, [seq_id], n) for n in sizes}
+            if draft is not None:
+                steps[0] = partial(_time_decode, draft, [seq_id])
+            best = _fastest_by_rounds(steps)
+            costs.deep = {n: t for n, t in best.items() if n}
+            costs.deep_draft = best.get(0, 0.0)
             costs.deep_depth = deep
         finally:
             kv.close(seq_id)
