@@ -72,7 +72,8 @@ class CostModel:
         if cost is None:
             cost = _interpolate(_nearest(self.verify, batch), tokens)
             if extra:
-                cost += batch * extra * DEPTH_STEP * self._per_depth(tokens)
+                shallow = _interpolate(self.verify[min(self.verify)], tokens)
+                cost += self._deeper(batch, extra, shallow, _interpolate(self.deep, tokens))
             self._memo[batch, tokens, extra] = cost
         return cost
 
@@ -83,12 +84,12 @@ class CostModel:
             return 0
         return -(-(depth - self.depth) // DEPTH_STEP)
 
-    def _per_depth(self, tokens: int) -> float:
-        """Seconds per token of depth that a one-sequence verify of `tokens` tokens adds
-        (never negative, whatever noise the two measurements hold)."""
-        shallow = _interpolate(self.verify[min(self.verify)], tokens)
-        deep = _interpolate(self.deep, tokens)
-        return max(0.0, (deep - shallow) / (self.deep_depth - self.depth))
+    def _deeper(self, batch: int, extra: int, shallow: float, deep: float) -> float:
+        """What `extra` depth buckets add to a step of `batch` sequences whose one-sequence
+        step costs `shallow` at the table's depth and `deep` at deep_depth: the per-token
+        growth between the two (never negative, whatever noise they hold), per sequence."""
+        per_token = max(0.0, (deep - shallow) / (self.deep_depth - self.depth))
+        return batch * extra * DEPTH_STEP * per_token
 
     def draft_cost(self, batch: int, depth: int | None = None) -> float:
         """One draft-model decode step of `batch` sequences `depth` tokens deep on average."""
@@ -99,9 +100,7 @@ class CostModel:
         if cost is None:
             cost = _interpolate(self.draft, batch)
             if extra:
-                shallow = self.draft[min(self.draft)]
-                per_depth = max(0.0, (self.deep_draft - shallow) / (self.deep_depth - self.depth))
-                cost += batch * extra * DEPTH_STEP * per_depth
+                cost += self._deeper(batch, extra, self.draft[min(self.draft)], self.deep_draft)
             self._memo[batch, 0, extra] = cost
         return cost
 
