@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -158,7 +159,7 @@ def _scaled(costs: CostModel, scale: float) -> CostModel:
 
     verify = {b: scaled(row) for b, row in costs.verify.items()}
     deep = scaled(costs.deep) if costs.deep else {}
-    return CostModel(verify, dict(costs.draft), costs.depth, deep, costs.deep_depth)
+    return replace(costs, verify=verify, draft=dict(costs.draft), deep=deep)
 
 
 def increment_scale(

@@ -3,6 +3,7 @@ is token-for-token plain decoding's in every mode, sampled output has plain samp
 distribution, both KV caches hold exactly the accepted tokens, drafts never cost a
 preemption, and failures stay with their requests."""
 
+import dataclasses
 import hashlib
 import itertools
 import types
@@ -537,6 +538,34 @@ def test_step_costs_are_measured_round_by_round(monkeypatch):
             assert row == want, (start, b)
 
 
+class LingeringRunner(TimedRunner):
+    """TimedRunner whose call right after a verify of 9 tokens per sequence takes half as
+    long again (on a Xeon, a decode step right after a 9-token verify took 4.2-4.6 ms, 3.8 ms
+    after a 2-token one)."""
+
+    def _spend(self, seconds: float) -> None:
+        super()._spend(seconds * (1.5 if getattr(self, "after_nine", False) else 1))
+        self.after_nine = False
+
+    def batch_verify(self, embeddings, seq_ids, lengths, token_tree_parent_ptr):
+        out = super().batch_verify(embeddings, seq_ids, lengths, token_tree_parent_ptr)
+        self.after_nine = max(lengths) == 9
+        return out
+
+
+def test_no_step_is_costed_only_right_after_the_largest_verify(monkeypatch):
+    """Every step is timed at least once right after a step no larger than itself, so a step
+    that runs slower after the largest verify is costed as it runs elsewhere (timed in one
+    order every round, the plain step always came right after the 9-token verify and cost
+    1.5x: verifies looked cheap beside it)."""
+    clock, config = _timed_config(monkeypatch, 4, 4096)
+    runner = LingeringRunner(clock, (), vocab_size=128)
+    engine = Engine(runner, config, context_window=256, cost_model=FLAT)
+    table = engine.measure_costs()
+    for b, row in table.verify.items():
+        assert row == {n: pytest.approx(b * (1 + 0.1 * (n - 1))) for n in row}, b
+
+
 class DepthRunner(TimedRunner):
     """TimedRunner whose steps also cost, per sequence, 0.002 per token verified and token
     cached before it (attention over the cache grows with its depth)."""
@@ -551,8 +580,8 @@ class DepthRunner(TimedRunner):
 
 
 def test_step_costs_follow_the_depth_of_the_cache(monkeypatch):
-    """The table is measured 64 tokens deep at every batch size and once more at batch 1 as
-    deep as the context window allows; a verify deeper in the cache costs what the runner
+    """The table is measured 64 tokens deep at every batch size and once more, at 4 sequences,
+    as deep as the context window allows; a verify deeper in the cache costs what the runner
     takes there (every 32-token depth bucket exactly), and not less than at the table's depth
     for shallower ones."""
     clock, config = _timed_config(monkeypatch, 4, 4096)
@@ -560,6 +589,7 @@ def test_step_costs_follow_the_depth_of_the_cache(monkeypatch):
     engine = Engine(runner, config, context_window=300, cost_model=FLAT)
     table = engine.measure_costs()
     assert (table.depth, table.deep_depth) == (64, 300 - max(table.verify[1]))
+    assert table.deep_batch == 4
     assert CostModel.from_dict(table.to_dict()) == table
 
     def true(b: int, n: int, depth: int) -> float:
@@ -573,6 +603,19 @@ def test_step_costs_follow_the_depth_of_the_cache(monkeypatch):
                 assert table.verify_cost(b, n, depth) == pytest.approx(true(b, n, depth)), (b, n)
     # a depth between buckets is costed at the bucket's end
     assert table.verify_cost(1, 5, 97) == pytest.approx(true(1, 5, 128))
+
+
+def test_the_deep_point_takes_as_many_sequences_as_the_cache_holds(monkeypatch):
+    """A cache with room for two sequences at the second depth measures it at 2 sequences,
+    and verifies deep in the cache still cost what the runner takes there."""
+    clock, config = _timed_config(monkeypatch, 4, 700)
+    engine = Engine(DepthRunner(clock, (), vocab_size=128), config, context_window=300)
+    table = engine.costs
+    assert (table.deep_batch, table.deep_depth) == (2, 300 - max(table.verify[1]))
+    for b in (1, 3, 4):
+        for depth in (256, 1024):
+            want = b * (1 + 0.1 * 4 + 0.002 * 5 * depth)
+            assert table.verify_cost(b, 5, depth) == pytest.approx(want), (b, depth)
 
 
 class DepthDraft(DepthRunner):
@@ -598,7 +641,7 @@ def test_draft_steps_are_costed_at_the_depth_of_the_cache(monkeypatch):
         assert table.draft_cost(b) == pytest.approx(b * (0.1 + 0.002 * 64))
         for depth in (96, 256, 1024):
             assert table.draft_cost(b, depth) == pytest.approx(b * (0.1 + 0.002 * depth)), b
-    shallow_priced = CostModel(table.verify, table.draft, table.depth, table.deep, table.deep_depth)
+    shallow_priced = dataclasses.replace(table, deep_draft=0.0)
     assert best_draft_length([0.8] * 4, table, 8, 64) == 2  # drafting pays near the top
     assert best_draft_length([0.8] * 4, table, 8, 512) == 0
     assert best_draft_length([0.8] * 4, shallow_priced, 8, 512) == 1

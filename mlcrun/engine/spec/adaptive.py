@@ -37,14 +37,15 @@ class CostModel:
     one draft-model decode step at batch b (empty for drafters without a model). Other points
     are interpolated.
 
-    `deep[n]` is the verify of n tokens of one sequence `deep_depth` tokens deep: attention
-    grows with the tokens cached, so a verify's cost over a plain step grows too (SmolLM2 q4
-    on 2 cores of an AVX2 EPYC: a 5-token verify 1.72x a plain step at 64 tokens, 1.89x at
-    512; on an AVX-512 one 1.22x at 64 and 1.67x at 350). A verify at
-    another depth adds, per sequence, the batch-1 cost per token of depth times the depth
-    beyond `depth` (attention is linear in the depth and in the sequences).
+    `deep[n]` is the verify of n tokens per sequence of `deep_batch` sequences `deep_depth`
+    tokens deep: attention grows with the tokens cached, so a verify's cost over a plain step
+    grows too (SmolLM2 q4 on 2 cores of an AVX2 EPYC: a 5-token verify 1.72x a plain step at
+    64 tokens, 1.89x at 512; on an AVX-512 one 1.22x at 64 and 1.67x at 350). A verify at
+    another depth adds, per sequence, the cost per sequence and token of depth measured
+    between the two points times the depth beyond `depth` (attention is linear in the depth
+    and in the sequences).
 
-    `deep_draft` is the draft model's decode step of that sequence (0: no draft model, or
+    `deep_draft` is the draft model's decode step of those sequences (0: no draft model, or
     not measured), for the same per-token growth of a draft step: a draft model's attention
     grows with the depth as the target's does (a self-draft's is the target's own shape), so
     a table that priced drafts at `depth` alone found them cheap beside depth-priced verifies
@@ -58,6 +59,7 @@ class CostModel:
     deep: dict[int, float] = field(default_factory=dict)
     deep_depth: int = 0
     deep_draft: float = 0.0
+    deep_batch: int = 1
     # Interpolated costs, asked for every step: (batch, tokens, depth bucket) -> seconds,
     # 0 tokens = a draft.
     _memo: dict[tuple[int, int, int], float] = field(
@@ -72,7 +74,7 @@ class CostModel:
         if cost is None:
             cost = _interpolate(_nearest(self.verify, batch), tokens)
             if extra:
-                shallow = _interpolate(self.verify[min(self.verify)], tokens)
+                shallow = _interpolate(_nearest(self.verify, self.deep_batch), tokens)
                 cost += self._deeper(batch, extra, shallow, _interpolate(self.deep, tokens))
             self._memo[batch, tokens, extra] = cost
         return cost
@@ -85,10 +87,12 @@ class CostModel:
         return -(-(depth - self.depth) // DEPTH_STEP)
 
     def _deeper(self, batch: int, extra: int, shallow: float, deep: float) -> float:
-        """What `extra` depth buckets add to a step of `batch` sequences whose one-sequence
-        step costs `shallow` at the table's depth and `deep` at deep_depth: the per-token
-        growth between the two (never negative, whatever noise they hold), per sequence."""
-        per_token = max(0.0, (deep - shallow) / (self.deep_depth - self.depth))
+        """What `extra` depth buckets add to a step of `batch` sequences whose step of
+        `deep_batch` sequences costs `shallow` at the table's depth and `deep` at deep_depth:
+        the growth per token and sequence between the two (never negative, whatever noise
+        they hold), per sequence."""
+        span = (self.deep_depth - self.depth) * self.deep_batch
+        per_token = max(0.0, (deep - shallow) / span)
         return batch * extra * DEPTH_STEP * per_token
 
     def draft_cost(self, batch: int, depth: int | None = None) -> float:
@@ -100,7 +104,8 @@ class CostModel:
         if cost is None:
             cost = _interpolate(self.draft, batch)
             if extra:
-                cost += self._deeper(batch, extra, self.draft[min(self.draft)], self.deep_draft)
+                shallow = _interpolate(self.draft, self.deep_batch)
+                cost += self._deeper(batch, extra, shallow, self.deep_draft)
             self._memo[batch, 0, extra] = cost
         return cost
 
@@ -114,6 +119,7 @@ class CostModel:
             "deep": {str(n): t for n, t in self.deep.items()},
             "deep_depth": self.deep_depth,
             "deep_draft": self.deep_draft,
+            "deep_batch": self.deep_batch,
         }
 
     @classmethod
@@ -128,6 +134,7 @@ class CostModel:
             {int(n): float(t) for n, t in data.get("deep", {}).items()},
             int(data.get("deep_depth", 0)),
             float(data.get("deep_draft", 0.0)),
+            int(data.get("deep_batch", 1)),
         )
 
 
