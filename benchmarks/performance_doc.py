@@ -808,6 +808,13 @@ def kstep_section(doc: dict) -> list[str]:
     if not tables:
         return []
     reps = doc["lengths"].get("kstep_reps")
+    order = (
+        "back to front and front to back in turn, so that the 1-token step never runs right "
+        "after the largest K-step (a step there runs slower)"
+        if doc["lengths"].get("kstep_alternate")
+        else "in the same order each time (the 1-token step right after the largest K-step, "
+        "where a step can run up to 10% slower: the ratios may be flattered)"
+    )
     return [
         "## The cost of a K-token step",
         "",
@@ -818,8 +825,9 @@ def kstep_section(doc: dict) -> list[str]:
         "(mlcrun `batch_prefill`, llama.cpp `llama_decode` with one output); *all logits*: of "
         "every token, as a verify step needs (mlcrun `batch_verify` of a K-token chain and its "
         "commit, llama.cpp `llama_decode` with K outputs). Per process: one warm-up of each "
-        f"step, then {reps} repetitions of all of them in turn, the K tokens removed after each "
-        "step so that every step starts at the same depth; the ratio of medians. Shown: the "
+        f"step, then {reps} repetitions of all of them in turn, {order}, the K tokens removed "
+        "after each step so that every step starts at the same depth; the ratio of medians. "
+        "Shown: the "
         "median over rounds and the range over rounds in brackets.",
         "",
         *tables,
