@@ -32,6 +32,7 @@ from .spec.adaptive import (
     CostModel,
     batch_depth,
     best_draft_length,
+    verify_pays,
 )
 from .spec.cost import measure_costs
 from .spec.decoder import SpeculativeDecoder
@@ -134,6 +135,7 @@ class Engine:
         self.stats = EngineStats(total_pages=self.kv.total_pages)
         self.costs = cost_model
         self._pays: dict[tuple, bool] = {}  # _drafting_pays by (batch, rate, depth bucket)
+        self.probes: set[Request] = set()  # the requests drafting this step to probe
         if self.spec and not config.spec_draft_length and cost_model is None:
             self.costs = self.measure_costs()
         self._update_stats()
@@ -396,6 +398,7 @@ class Engine:
         step does not count as idle for the requests' acceptance (no probe could run). A draft
         model that lags catches up first (`_catch_up_pays`), for a probe too: a request whose
         acceptance is only the prior would otherwise never measure it."""
+        self.probes = set()
         depth = batch_depth(batch)
         if not self._drafting_pays(len(batch), 1.0, depth):
             return {}
@@ -416,16 +419,27 @@ class Engine:
             rates = [r.acceptance.rate if r in free else 0.0 for r in batch]
             k = best_draft_length(rates, self.costs, self.config.spec_max_draft_length, depth)
             if not k:  # plain decoding pays more; requests idle long enough probe
-                probes = {
-                    r: PROBE_LENGTH
+                due = [
+                    r
                     for r in able
                     if r.acceptance.probe_due
                     and (not self._draft_lags(r) or self._feeding_the_draft_pays(1.0, depth))
-                }
+                ]
                 for req in able:
                     req.acceptance.idle()
-                return probes
+                if due and self._probe_pays(len(batch), len(due), depth):
+                    self.probes = set(due)
+                return {r: PROBE_LENGTH for r in self.probes}
         return {r: k for r in free}
+
+    def _probe_pays(self, batch: int, probes: int, depth: int) -> bool:
+        """Whether `probes` requests of the batch drafting PROBE_LENGTH tokens that are all
+        kept would make the verify pay, their drafting included: the premise of a probe, and
+        what the step's verify is asked (`SpeculativeDecoder._worth_verifying`), so that no
+        probe is drafted only to be dropped."""
+        drafted = probes * PROBE_LENGTH
+        drafting = PROBE_LENGTH * self.costs.draft_cost(probes, depth)
+        return verify_pays(self.costs, batch, batch + drafted, batch + drafted, depth, drafting)
 
     def _catch_up_pays(self, req: Request) -> bool:
         """Whether a request whose draft model lags should catch up and draft: where drafting

@@ -417,6 +417,21 @@ def test_where_drafting_cannot_pay_the_draft_model_does_no_work():
     _assert_the_draft_model_does_no_work(prompts(6, seed=11), params)
 
 
+# 4 requests: drafts that are always right pay (1 each: 8 tokens for 5 + 2), at the prior no
+# draft length does, and a probe of 2 drafts each with its 2 draft steps (12 tokens for 8 + 4)
+# does not either: at the prior its verify alone would not (7.8 tokens for 8).
+PROBE_DEAR = CostModel(verify={4: {1: 4.0, 2: 5.0, 3: 8.0, 9: 20.0}}, draft={4: 2.0})
+
+
+def test_no_probe_is_drafted_where_its_verify_would_not_pay():
+    """A probe is drafted only where its verify, drafts all kept, pays with its drafting:
+    what the step's verify is then asked. Drafted on the premise of drafts that are always
+    right alone and then priced at the prior, probes were made, dropped unverified, and made
+    again every step (the draft model took catch-ups and draft steps for nothing)."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    _assert_the_draft_model_does_no_work(prompts(4, seed=5), params, PROBE_DEAR)
+
+
 def test_prompt_lookup_looks_nothing_up_where_no_draft_could_pay():
     """At batch 4 and more (BATCH_BOUND) even drafts that are always right would not pay:
     those steps decode plainly without a lookup; the last requests, alone, draft again."""

@@ -219,6 +219,18 @@ def best_draft_length(
     return best_k
 
 
+def verify_pays(
+    costs: CostModel, batch: int, nodes: int, tokens: float, depth: int, drafting: float = 0.0
+) -> bool:
+    """Whether one verify of `nodes` tree nodes over `batch` sequences `depth` tokens deep,
+    yielding `tokens` tokens on expectation, beats a plain step by GAIN; `drafting`: the
+    seconds its drafts still cost (0 once they are made). A verify is costed as at least 2
+    tokens per sequence: it runs other kernels than a decode step, so a batch of mostly
+    one-node trees costs more than the rows suggest."""
+    verify = costs.verify_cost(batch, max(2, round(nodes / batch)), depth) + drafting
+    return tokens / verify > GAIN * batch / costs.verify_cost(batch, 1, depth)
+
+
 def batch_depth(batch: Sequence) -> int:
     """The tokens cached per sequence, on average, in a batch of requests."""
     return sum(r.num_computed for r in batch) // max(len(batch), 1)
