@@ -333,6 +333,8 @@ def worker_mlcrun(spec: dict, prompts: list[dict], threads: int, settings: Setti
     result["resolved"]["mlcrun_file"] = mlcrun.__file__
     if spec["throughput"]:
         batch = throughput_prompts(prompts, settings)
+        stats = llm.engine.stats
+        spent = stats.draft_seconds, stats.verify_seconds
         start = time.perf_counter()
         outs = llm.generate(batch, params)
         elapsed = time.perf_counter() - start
@@ -346,6 +348,10 @@ def worker_mlcrun(spec: dict, prompts: list[dict], threads: int, settings: Setti
             "accepted_tokens": sum(o.metrics.accepted_tokens for o in outs),
             "spec_steps": sum(o.metrics.spec_steps for o in outs),
             "preemptions": sum(o.metrics.preemptions for o in outs),
+            # the engine's own clocks: drafting (lookups, draft-model forwards, verified or
+            # not) and verify forwards
+            "draft_seconds": stats.draft_seconds - spent[0],
+            "verify_seconds": stats.verify_seconds - spent[1],
         }
     return result
 
