@@ -870,6 +870,9 @@ def summarize(variants: list[Variant], prompts: list[dict]) -> list[dict]:
                 "spec_steps": tputs[0]["spec_steps"],
                 "preemptions": tputs[0]["preemptions"],
             }
+            for key in ("draft_seconds", "verify_seconds"):  # recorded since f1dcf4b
+                if all(key in x for x in tputs):
+                    t[key] = _median([x[key] for x in tputs])
             base = [s["throughput"] for s in ok[plain.key] if s.get("throughput")] if plain else []
             if plain is not v and base:
                 t["ratio"] = _ratio(t["tput_tps"], _median([x["tput_tps"] for x in base]))
