@@ -21,7 +21,8 @@ from .tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 COSTS_VERSION = 5  # 2: fastest of 5 calls (was the median of 3); 3: a second, deep point;
-# 4: the draft model's step at the deep point too; 5: the deep point at 4 sequences, rounds rotated
+# 4: the draft model's step at the deep point too; 5: the deep point at 4 sequences, and
+# rounds that alternate their order
 
 
 def check_target(model: Model, config: EngineConfig) -> None:

@@ -427,9 +427,10 @@ class Engine:
                 ]
                 for req in able:
                     req.acceptance.idle()
-                if due and self._probe_pays(len(batch), len(due), depth):
-                    self.probes = set(due)
-                return {r: PROBE_LENGTH for r in self.probes}
+                if not (due and self._probe_pays(len(batch), len(due), depth)):
+                    return {}
+                self.probes = set(due)
+                return dict.fromkeys(due, PROBE_LENGTH)
         return {r: k for r in free}
 
     def _probe_pays(self, batch: int, probes: int, depth: int) -> bool:

@@ -558,8 +558,10 @@ class LingeringRunner(TimedRunner):
     long again (on a Xeon, a decode step right after a 9-token verify took 4.2-4.6 ms, 3.8 ms
     after a 2-token one)."""
 
+    after_nine = False  # the last call was a 9-token verify
+
     def _spend(self, seconds: float) -> None:
-        super()._spend(seconds * (1.5 if getattr(self, "after_nine", False) else 1))
+        super()._spend(seconds * (1.5 if self.after_nine else 1))
         self.after_nine = False
 
     def batch_verify(self, embeddings, seq_ids, lengths, token_tree_parent_ptr):
