@@ -166,7 +166,8 @@ def test_page_prefetch(factory, dtype):
     # the decode-structure kernels prefetch, per page and KV head, every 64-byte line of the
     # next page's 16 K and 16 V rows (in the loop over KV heads); numerics: the tests above
     # (the last page prefetches itself). The paged prefill has two page steps, by rows and
-    # by row tiles, and each prefetches.
+    # by row tiles, and each prefetches; the row tiles' float32 pages read in place spread it
+    # over their score loop instead (one K and one V line per dimension: two calls in a loop).
     h_qo, h_kv, d = 9, 3, 64
     func = factory(h_kv, h_qo, d, dtype).with_attr("global_symbol", "main")
     llvm_ir = tvm.compile(tvm.IRModule({"main": func}), target=cpu_target()).mod.inspect_source(
@@ -174,7 +175,8 @@ def test_page_prefetch(factory, dtype):
     )
     lines = 2 * A.PAGE * d * np.dtype(dtype).itemsize // 64
     passes = 2 if factory is A.prefill_paged_attention else 1
-    assert llvm_ir.count("call void @llvm.prefetch") == passes * lines
+    spread = 2 if factory is A.prefill_paged_attention and dtype == "float32" else 0
+    assert llvm_ir.count("call void @llvm.prefetch") == passes * lines + spread
 
 
 # Batches below A.SPLIT_TASKS sequences split a sequence of more than A.MIN_SPLIT_PAGES pages
