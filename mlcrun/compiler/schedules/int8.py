@@ -535,15 +535,13 @@ class _MatmulKernel(PanelLoops):
         # broadcasts fit the 16 registers. One Zen 3 thread, a 3072 x 576 layer, thread CPU
         # time, per half / one pass: q4f16_1 1 row 65.6 / 57.3 us, 4 rows 149 / 145, 5 rows
         # 200 / 187, 64 rows 2401 / 2345; q8f32 1 row 63.8 / 53.4, 2 rows 85.0 / 94.2, 4 rows
-        # 257 / 283. The symmetric q4 (q4f16_0: the -8 * a_sum start added to each widened
-        # sum) spilled twice q4f16_1's vectors in one pass (LLVM keeps each row's broadcast
-        # activations for the second half on the stack: 44 stores and 44 reloads a group at 4
-        # rows against 22): on Zen 3 its 4-token verify step cost 1.80x a 1-token step where
-        # q4f16_1's cost 1.50x. Per half, AVX2 code on one Intel Xeon thread, 2 / 4 / 8 / 64
-        # rows: 55.9 / 99.9 / 191 / 1623 -> 54.2 / 89.1 / 173 / 1495 us (q4f16_1 per half:
-        # 2 rows 14% slower, so it stays in one pass).
+        # 257 / 283. In one pass the symmetric q4 (q4f16_0) spilled twice q4f16_1's vectors
+        # (each row's broadcast activations kept on the stack for the second half: 44 stores
+        # and 44 reloads a group at 4 rows against 22); per half, AVX2 code on one Intel Xeon
+        # thread, 2 / 4 / 8 / 64 rows: 55.9 / 99.9 / 191 / 1623 -> 54.2 / 89.1 / 173 / 1495
+        # us, where q4f16_1 per half was up to 14% slower.
         parts = [(j, h) for j in range(npn) for h in range(halves)]
-        per_half = self.pairs and (self.ops.kind == "q8" or self.ops.zero > 0) and mr > 1
+        per_half = self.pairs and self.ops.wmin is None and mr > 1  # all but q4 with mins
         for n_pass, part in enumerate([[p] for p in parts] if per_half else [parts]):
             with T.serial(_c(0), _c(self.groups)) as g:
                 if PREFETCH_TILES and n_pass == 0:
