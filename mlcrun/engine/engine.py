@@ -24,7 +24,7 @@ from .kv_manager import KVManager
 from .output import OutputStream
 from .request import Request
 from .runner import ModelRunner
-from .sampler import check_vocab, sample_batch
+from .sampler import check_vocab, plain_greedy, sample_batch
 from .scheduler import Scheduler
 from .spec.adaptive import (
     PRIOR_ACCEPTANCE,
@@ -375,6 +375,27 @@ class Engine:
         reason = "stop" if stopped else self._finish_reason(req, token)
         if reason or complete:
             req.finish(reason or "stop")
+
+    def _argmax_only(self, req: Request) -> bool:
+        """Whether each next token of the request is its logits' argmax and nothing else: plain
+        greedy (no penalties, logit_bias or logprobs), no grammar, min_tokens reached (the mask
+        stays empty: tokens only add to num_output)."""
+        return (
+            req.constraint is None
+            and req.num_output >= req.params.min_tokens
+            and plain_greedy(req.params)
+        )
+
+    def _take(self, req: Request, token: int, now: float) -> bool:
+        """Append a token chosen without the sampler (an `_argmax_only` request's argmax), as
+        `_sample` appends a sampled one; False when the request failed on it."""
+        self._step_time = now
+        try:
+            self._accept(req, token, None)
+        except Exception as err:
+            self._fail_alone(req, "sampling failed", err)
+            return False
+        return True
 
     def _mask(self, req: Request) -> np.ndarray | None:
         """The allowed tokens: the request's grammar, and min_tokens (stops masked until

@@ -103,7 +103,7 @@ def sample_batch(
     lossless acceptance rule (spec/accept.py), so it still has exactly the distribution plain
     sampling draws from, and SampleResult.accepted says which candidate it is.
     """
-    if allowed is None and drafts is None and all(map(_plain_greedy, params)):
+    if allowed is None and drafts is None and all(map(plain_greedy, params)):
         return _greedy(logits, params, states)  # the common case, without the machinery
     from .spec.accept import accept_greedy, accept_sampled  # (spec imports this module)
 
@@ -246,7 +246,7 @@ def check_vocab(params: SamplingParams, vocab_size: int) -> None:
 # -- internals --------------------------------------------------------------------------------
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
+def plain_greedy(p: SamplingParams) -> bool:
     """Greedy, and nothing to do before the argmax or after it."""
     return (
         p.temperature == 0
@@ -259,7 +259,7 @@ def _plain_greedy(p: SamplingParams) -> bool:
 
 
 def _greedy(logits, params, states) -> list[SampleResult]:
-    """sample_batch for rows that are all _plain_greedy (no mask, no drafts): the argmax of
+    """sample_batch for rows that are all plain_greedy (no mask, no drafts): the argmax of
     each row, with the same checks and the same results as the general path."""
     x = np.asarray(logits, dtype=np.float32)  # as _process: the argmax of the float32 values
     _check_shapes(x, params, states, None)

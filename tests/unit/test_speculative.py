@@ -187,6 +187,73 @@ def test_greedy_output_is_plain_decodings_in_every_mode(mode, k, width, noise, s
         assert not draft.seqs and draft.get_num_available_pages() == draft.num_pages
 
 
+@pytest.mark.parametrize("script", [None, COPYING], ids=["random", "copying"])
+def test_greedy_requests_the_sampler_changes_speculate_as_plain(script):
+    """Greedy requests whose token is not the raw argmax (min_tokens masking EOS, penalties,
+    logit_bias) or that ask for logprobs take the sampler at every drafted position; plain
+    argmax requests beside them in the same verify take their whole tree from one argmax (one
+    of them only once its min_tokens are reached). Both give plain decoding's tokens,
+    logprobs and finish reasons."""
+    extra = [
+        {"min_tokens": 35},
+        {"repetition_penalty": 1.5},
+        {"frequency_penalty": 1.0},
+        {"logit_bias": {5: 30.0}},
+        {"logprobs": 2},
+        {},
+        {"stop_token_ids": (9,)},
+        {"min_tokens": 2},
+    ]
+    ps = prompts(len(extra), seed=7)
+    params = [SamplingParams(max_tokens=45, temperature=0, **x) for x in extra]
+    plain = generate(*make(script=script, eos_after=40, window=80), ps, params)
+    engine, runner, _ = make("ngram", 3, script=script, eos_after=40, window=80)
+    spec = generate(engine, runner, None, ps, params)
+    assert spec.keys() == plain.keys()
+    for key, out in plain.items():
+        assert spec[key].token_ids == out.token_ids, key
+        assert spec[key].finish_reason == out.finish_reason, key
+        assert spec[key].logprobs == out.logprobs, key
+    if script is COPYING:
+        assert engine.stats.spec_accepted > 0
+
+
+class FailsAt:
+    """A detokenizer stream whose `at`-th token raises (-1: never)."""
+
+    def __init__(self, at):
+        self.at, self.n = at, 0
+
+    def add(self, token):
+        self.n += 1
+        if self.n == self.at:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return "x"
+
+    def finish(self):
+        return ""
+
+
+@pytest.mark.parametrize("at", [2, 6, 9])
+def test_a_request_failing_inside_a_verified_tree_fails_alone(at):
+    """A greedy request whose text fails on one of its accepted drafts fails alone: the
+    requests verified beside it keep plain decoding's tokens, and the caches keep nothing of
+    it once it is gone."""
+    ps = prompts(4, seed=11)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    plain = generate(*make(script=COPYING), ps, params)
+    decoder = lambda p: FailsAt(at) if p == ps[1] else FailsAt(-1)  # noqa: E731
+    engine, runner, _ = make("ngram", 4, script=COPYING, decoder=decoder)
+    spec = generate(engine, runner, None, ps, params)
+    assert spec[("r1", 0)].finish_reason == "error"
+    assert "utf-8" in spec[("r1", 0)].error
+    for i in (0, 2, 3):
+        assert spec[(f"r{i}", 0)].token_ids == plain[(f"r{i}", 0)].token_ids
+    assert engine.stats.spec_accepted > 0
+    engine.reset_prefix_cache()
+    assert runner.get_num_available_pages() == runner.num_pages and not runner.seqs
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tok")
