@@ -20,7 +20,7 @@ from mlcrun.engine.request import Request
 from mlcrun.engine.spec import cost
 from mlcrun.engine.spec.accept import accept_sampled
 from mlcrun.engine.spec.adaptive import CostModel, best_draft_length, expected_tokens
-from mlcrun.engine.spec.ngram import NgramDrafter
+from mlcrun.engine.spec.ngram import CANDIDATES, CONTEXT_MAX, NgramDrafter
 from mlcrun.engine.types import SamplingParams
 from mlcrun.errors import MlcrunError
 from mlcrun.tokenizer import Tokenizer
@@ -801,13 +801,33 @@ def test_ngram_lookup_prefers_the_longest_match():
     assert wide.tokens[:2] == [6, 7] and wide.tokens[2:] == [5] and wide.parents == [0, 1, 0]
 
 
+def test_ngram_lookup_ranks_the_occurrences_of_its_match():
+    """Of several earlier occurrences of the matched n-gram, the draft continues the one whose
+    earlier tokens agree longest with the request's, then the continuation that followed the
+    most occurrences, then the one with the most of k tokens after it."""
+    one = NgramDrafter(ngram_max=1)
+    assert one.lookup([3, 1, 5, 4, 1, 6, 3, 1], k=1).tokens == [5]  # "3 1" before 5
+    assert one.lookup([2, 1, 5, 2, 1, 5, 2, 1, 6, 3, 1], k=1).tokens == [5]  # 5 twice, 6 once
+    assert one.lookup([2, 1, 5, 9, 9, 2, 1, 6, 3, 1], k=4).tokens == [5, 9, 9, 2]
+    assert one.lookup([2, 1, 5, 9, 9, 2, 1, 6, 3, 1], k=3).tokens == [6, 3, 1]  # the latest
+
+
 def _scan_lookup(tokens, ngram_max, k, width):
     """Prompt lookup by scanning the whole history: the drafter's rule, stated directly."""
     for n in range(min(ngram_max, len(tokens) - 1), 0, -1):
         follows = [s + n for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
         if follows:
-            full = [f for f in follows if len(tokens) - f >= k]
-            best = full[-1] if full else follows[0]
+            ranked = follows[-CANDIDATES:]
+
+            def agreement(f):  # of the tokens before f with the last ones, up to CONTEXT_MAX
+                m = 0
+                while m < min(CONTEXT_MAX, f) and tokens[f - 1 - m] == tokens[-1 - m]:
+                    m += 1
+                return m
+
+            votes = [sum(tokens[g] == tokens[f] for g in ranked) for f in ranked]
+            keys = [(agreement(f), v, min(len(tokens) - f, k), f) for f, v in zip(ranked, votes)]
+            best = max(keys)[3]
             chain = tokens[best : best + k]
             others = []
             for f in reversed(follows):
