@@ -46,13 +46,10 @@ class NgramIndex:
                 self.follows.setdefault(tuple(tokens[i - n + 1 : i + 1]), []).append(i + 1)
         self.indexed = max(self.indexed, end)
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
-        """Where the tokens after the earlier occurrences of the longest matching suffix of
-        `tokens` begin (ascending; empty when not even the last token occurred before)."""
-        return self.longest(tokens)[1]
-
     def longest(self, tokens: Sequence[int]) -> tuple[int, list[int]]:
-        """(n, follows) of the longest matching suffix; (0, []) without one."""
+        """(n, follows) of the longest matching suffix of `tokens`: follows are where the
+        tokens after its earlier occurrences begin, ascending; (0, []) when not even the last
+        token occurred before."""
         for n in range(min(self.ngram_max, len(tokens) - 1), 0, -1):
             follows = self.follows.get(tuple(tokens[-n:]))
             if follows:
