@@ -9,7 +9,8 @@ forward between a tree verify and its commit.
 Token trees (`batch_verify`): every node takes a slot, and pages, as TVM's cache does; node i's
 logits are those of the sequence's history followed by the path from the tree's root to i.
 `commit_accepted_token_tree_nodes` keeps the path to the accepted leaf and frees the rest.
-`fail_next` makes the next forward raise, for failure-isolation tests.
+`fail_next` makes the next forward raise, for failure-isolation tests; `BrokenDecoder` is a
+detokenizer stream that raises on a chosen token.
 """
 
 from __future__ import annotations
@@ -188,3 +189,20 @@ def _path(parents, ids, node):
         path.append(ids[node])
         node = parents[node]
     return path[::-1]
+
+
+class BrokenDecoder:
+    """A detokenizer stream (an engine's decoder_factory product) whose `at`-th token raises
+    UnicodeDecodeError (-1: none does)."""
+
+    def __init__(self, at: int = -1):
+        self.at, self.n = at, 0
+
+    def add(self, token):
+        self.n += 1
+        if self.n == self.at:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return "x"
+
+    def finish(self):
+        return ""

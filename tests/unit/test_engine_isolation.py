@@ -6,7 +6,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from fake_runner import FakeRunner
+from fake_runner import BrokenDecoder, FakeRunner
 from test_engine import alone, make_engine, prompt_of, run_all
 
 from mlcrun.engine.async_engine import AsyncEngine
@@ -76,25 +76,6 @@ def test_a_broken_grammar_fails_its_request_alone(how):
     assert runner.get_num_available_pages() == runner.num_pages and not runner.seqs
 
 
-class BrokenDecoder:
-    def __init__(self, at):
-        self.at, self.n = at, 0
-
-    def add(self, token):
-        self.n += 1
-        if self.n == self.at:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
-        return "x"
-
-    def finish(self):
-        return ""
-
-
-class FineDecoder(BrokenDecoder):
-    def __init__(self):
-        super().__init__(at=-1)
-
-
 def test_a_detokenizer_failure_fails_its_request_alone():
     runner = FakeRunner()
     bad_prompt = prompt_of(7, 3)
@@ -109,7 +90,7 @@ def test_a_detokenizer_failure_fails_its_request_alone():
         config,
         eos_token_ids=[0],
         context_window=256,
-        decoder_factory=lambda p: BrokenDecoder(3) if p == bad_prompt else FineDecoder(),
+        decoder_factory=lambda p: BrokenDecoder(3) if p == bad_prompt else BrokenDecoder(),
     )
     want = add_others(engine)
     engine.add_request("bad", bad_prompt, PARAMS)

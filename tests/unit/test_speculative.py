@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 from checkpoints import write_tokenizer
-from fake_runner import FakeRunner
+from fake_runner import BrokenDecoder, FakeRunner
 from stats_check import assert_draws_follow
 
 from mlcrun.engine.config import EngineConfig
@@ -218,22 +218,6 @@ def test_greedy_requests_the_sampler_changes_speculate_as_plain(script):
         assert engine.stats.spec_accepted > 0
 
 
-class FailsAt:
-    """A detokenizer stream whose `at`-th token raises (-1: never)."""
-
-    def __init__(self, at):
-        self.at, self.n = at, 0
-
-    def add(self, token):
-        self.n += 1
-        if self.n == self.at:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
-        return "x"
-
-    def finish(self):
-        return ""
-
-
 @pytest.mark.parametrize("at", [2, 6, 9])
 def test_a_request_failing_inside_a_verified_tree_fails_alone(at):
     """A greedy request whose text fails on one of its accepted drafts fails alone: the
@@ -242,7 +226,7 @@ def test_a_request_failing_inside_a_verified_tree_fails_alone(at):
     ps = prompts(4, seed=11)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     plain = generate(*make(script=COPYING), ps, params)
-    decoder = lambda p: FailsAt(at) if p == ps[1] else FailsAt(-1)  # noqa: E731
+    decoder = lambda p: BrokenDecoder(at) if p == ps[1] else BrokenDecoder()  # noqa: E731
     engine, runner, _ = make("ngram", 4, script=COPYING, decoder=decoder)
     spec = generate(engine, runner, None, ps, params)
     assert spec[("r1", 0)].finish_reason == "error"
