@@ -5,10 +5,14 @@ as the F32 model's draft (the same tokenizer); `ngram` runs on the default q4 mo
 
 The q4 target is compiled with exact (float32) activations. With int8 activations a verify of
 K+1 rows and a 1-row decode step round the same activations from inputs that differ in their
-last bits (kernels for different row counts sum in different orders), and int8 rounding turns
-that into logit differences of ~1e-3 that flip near-ties; plain decoding at batch 16 differs
-from batch 1 in the same way (as llama.cpp's does). Speculation keeps the distribution either
-way; token-for-token identity is a property of the arithmetic, checked where it holds."""
+last bits, and int8 rounding turns that into logit differences that flip near-ties: the int8
+matmuls give a row the same result whatever the row count, but a verify's attention (the
+cached pages, the new tokens among themselves, the two merged) sums in another order than a
+decode step's (SmolLM2 q4 at depth 100: row 0 of a 3-token verify differs from the decode step
+by 3e-8 after the first layer's attention, by 3e-3 entering the eleventh's, by 0.26 in the
+logits). Plain decoding at batch 16 differs from batch 1 in the same way (as llama.cpp's
+does). Speculation keeps the distribution either way; token-for-token identity is a property
+of the arithmetic, checked where it holds."""
 
 from __future__ import annotations
 
