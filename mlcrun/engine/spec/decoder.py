@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..request import Request
+from .accept import accept_greedy
 from .adaptive import batch_depth, expected_tokens, verify_pays
 from .tree import DraftTree
 
@@ -159,11 +160,11 @@ class SpeculativeDecoder:
         best = rows.argmax(axis=1).tolist()
         node = 0
         while True:
-            token = best[node]
-            child = next((c for c in tree.children(node) if tree.tokens[c - 1] == token), None)
-            if not self.engine._take(req, token, now) or child is None:
+            kids = tree.children(node)
+            token, j = accept_greedy(best[node], [tree.tokens[c - 1] for c in kids])
+            if not self.engine._take(req, token, now) or j is None:
                 return
-            node = child
+            node = kids[j]
             path.append(node)
             if req.finished:
                 return
