@@ -419,7 +419,9 @@ def _gap_tput(spec: dict, cases: list[dict]) -> str:
             drafting[name] = 0.0  # less than one draft-model forward: the drafter's bookkeeping
         plain = _row(spec, c["model"], "plain").get("throughput", {}).get("tput_tps_rounds")
         mine = tput.get("tput_tps_rounds")
-        if plain and mine and len(plain) == len(mine):
+        if tput.get("paired_ratio_rounds"):
+            per_round.append((name, tput["paired_ratio_rounds"]))
+        elif plain and mine and len(plain) == len(mine):
             ratios = [m / p for m, p in zip(mine, plain)]
             per_round.append((name, ratios))
     listed = ", ".join(f"{k} {v}" for k, v in drafted.items() if v is not None)
@@ -433,11 +435,17 @@ def _gap_tput(spec: dict, cases: list[dict]) -> str:
         "decoding here."
     )
     idle = [name for name, n in drafted.items() if n == 0 and drafting[name] == 0]
-    if idle:  # no draft, no verify: the same forwards as plain decoding, in another process
+    paired = all(
+        _row(spec, c["model"], c["mode"]).get("throughput", {}).get("paired_ratio") for c in cases
+    )
+    if idle:  # no draft, no verify: the same forwards as plain decoding
         whose = "their" if len(idle) > 1 else "its"
+        text += f" {' and '.join(idle)} drafted nothing at all, so {whose} steps were plain decode"
         text += (
-            f" {' and '.join(idle)} drafted nothing at all, so {whose} steps were plain decode"
-            " steps: what separates them from plain is the process they ran in (each mode"
+            " steps: what separates them from plain is the engine object and the moment they"
+            " ran, not speculation."
+            if paired
+            else " steps: what separates them from plain is the process they ran in (each mode"
             " runs in a fresh one), not speculation."
         )
     wasted = [n for n in drafted if n in models and drafted[n] == 0 and drafting[n] != 0]
@@ -459,7 +467,8 @@ def _gap_tput(spec: dict, cases: list[dict]) -> str:
         )
     if per_round:
         straddle = [name for name, ratios in per_round if max(ratios) >= 1.0]
-        text += f" Round by round against the same round's plain run: {_rounds(per_round)}"
+        against = "plain's run in the same process" if paired else "the same round's plain run"
+        text += f" Round by round against {against}: {_rounds(per_round)}"
         if straddle:
             text += (
                 f" ({', '.join(straddle)}: at or above plain in some round, so the median's "
@@ -1268,6 +1277,7 @@ def spec_section(spec: dict | None, path: Path | None = None) -> list[str]:
         "the same model.",
         "",
     ]
+    paired = any("paired_ratio" in (r.get("throughput") or {}) for r in rows)
     out += spec_targets(spec)
     out += [
         "",
@@ -1307,18 +1317,35 @@ def spec_section(spec: dict | None, path: Path | None = None) -> list[str]:
         "",
         f"{st['concurrency']} requests at once (the prompts cycled), {st['tokens']} tokens "
         "each, EOS ignored: generated tokens over wall time, prefill included; mlcrun's "
-        "adaptive modes against its plain decoding.",
+        "adaptive modes against its plain decoding."
+        + (
+            " **Paired**: against plain decoding's run of the same requests in the same "
+            "process, right before or after the mode's own (alternating by round), the ratio "
+            "the target counts; *separate process*: against the plain process of the same "
+            "round, minutes away."
+            if paired
+            else ""
+        ),
         "",
-        "| model | mode | tok/s | ratio to plain | drafted | accepted |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| model | mode | tok/s | "
+        + ("paired ratio (rounds) | separate process |" if paired else "ratio to plain |")
+        + " drafted | accepted |",
+        "| --- | --- | ---: | ---: |" + (" ---: |" if paired else "") + " ---: | ---: |",
     ]
     for r in rows:
         t = r.get("throughput")
         if not t:
             continue
+        ratio = _x(t.get("ratio")) if r["mode"] != "plain" else "1.00x"
+        if paired:
+            rounds = t.get("paired_ratio_rounds")
+            ratio = (
+                f"{_x(t['paired_ratio'])} ({min(rounds):.2f}-{max(rounds):.2f}) | {ratio}"
+                if rounds
+                else f"— | {ratio}"
+            )
         out.append(
-            f"| {MODEL_NAMES[r['model']]} | {r['mode']} | {t['tput_tps']:.1f} | "
-            f"{_x(t.get('ratio')) if r['mode'] != 'plain' else '1.00x'} | "
+            f"| {MODEL_NAMES[r['model']]} | {r['mode']} | {t['tput_tps']:.1f} | {ratio} | "
             f"{t['draft_tokens']} | {t['accepted_tokens']} |"
         )
     out += spec_per_prompt(spec)

@@ -25,10 +25,15 @@ after another (a process's placement moves a 16-way run by a few percent: in one
 slower); medians over rounds. Per process: a short warm-up, then each prompt alone (batch 1):
 decode tokens/s (tokens after the first over the time after the first) and what the drafts did;
 for mlcrun's plain and adaptive modes also 16 concurrent requests (the prompts cycled, 256
-tokens each): generated tokens over wall time. mlcrun's adaptive draft length measures step
-costs at its first start and caches them in $MLCRUN_HOME/spec-costs; $MLCRUN_HOME is
-benchmarks/.cache/speculative/mlcrun-home and one warm-up start per configuration precedes
-the rounds, so no measured process pays for it (and only generation is timed anyway).
+tokens each): generated tokens over wall time. A speculative mode's process also loads the
+target without speculation and runs the same 16 requests with it, right before or right after
+its own (alternating by round): the 16-way target counts that paired ratio, because two
+processes' 16-way rates differ by a few percent with nothing but their placement and time
+apart (the plain process's rate is still compared, as `ratio`). mlcrun's adaptive draft
+length measures step costs at its first start and caches them in $MLCRUN_HOME/spec-costs;
+$MLCRUN_HOME is benchmarks/.cache/speculative/mlcrun-home and one warm-up start per
+configuration precedes the rounds, so no measured process pays for it (and only generation
+is timed anyway).
 
 Modes: mlcrun plain, ngram (adaptive K; K=5), self (F32 only: adaptive; K=3), draft (F32 target,
 the q4 artifact as the draft model: the only smaller model with SmolLM2's tokenizer available
@@ -333,27 +338,62 @@ def worker_mlcrun(spec: dict, prompts: list[dict], threads: int, settings: Setti
     result["resolved"]["mlcrun_file"] = mlcrun.__file__
     if spec["throughput"]:
         batch = throughput_prompts(prompts, settings)
-        stats = llm.engine.stats
-        spent = stats.draft_seconds, stats.verify_seconds
-        start = time.perf_counter()
-        outs = llm.generate(batch, params)
-        elapsed = time.perf_counter() - start
-        generated = sum(len(o.token_ids) for o in outs)
-        if generated != settings.concurrency * settings.tokens:
-            raise RuntimeError(f"throughput: generated {generated} tokens")
-        result["throughput"] = {
-            "tput_tps": generated / elapsed,
-            "seconds": elapsed,
-            "draft_tokens": sum(o.metrics.draft_tokens for o in outs),
-            "accepted_tokens": sum(o.metrics.accepted_tokens for o in outs),
-            "spec_steps": sum(o.metrics.spec_steps for o in outs),
-            "preemptions": sum(o.metrics.preemptions for o in outs),
-            # the engine's own clocks: drafting (lookups, draft-model forwards, verified or
-            # not) and verify forwards
-            "draft_seconds": stats.draft_seconds - spent[0],
-            "verify_seconds": stats.verify_seconds - spent[1],
-        }
+        if not spec["options"].get("speculative_mode"):
+            mine = throughput_run(llm, batch, params, settings)
+        else:
+            # Plain decoding's 16-way run in this same process, right before or after this
+            # mode's (the order alternates by round): a separate plain process runs minutes
+            # away, in another placement, and that moves a 16-way rate by a few percent, more
+            # than speculation adds or costs at 16 requests.
+            plain = LLM(spec["target"], num_threads=threads, engine_config=plain_config(config))
+            plain.generate([prompts[0]["ids"]], warm)
+            if spec.get("plain_first"):
+                base = throughput_run(plain, batch, params, settings)
+                mine = throughput_run(llm, batch, params, settings)
+            else:
+                mine = throughput_run(llm, batch, params, settings)
+                base = throughput_run(plain, batch, params, settings)
+            mine["paired"] = {
+                "plain_tps": base["tput_tps"],
+                "ratio": mine["tput_tps"] / base["tput_tps"],
+                "plain_first": bool(spec.get("plain_first")),
+            }
+        result["throughput"] = mine
     return result
+
+
+def plain_config(config):
+    """`config` without speculation."""
+    from dataclasses import replace
+
+    from mlcrun import EngineConfig
+
+    fields = ("speculative_mode", "spec_draft_length", "draft_model", "draft_quantization")
+    return replace(config, **{f: getattr(EngineConfig(), f) for f in fields})
+
+
+def throughput_run(llm, batch: list[list[int]], params, settings: Settings) -> dict:
+    """`batch` generated at once: tokens over wall time, and what speculation did."""
+    stats = llm.engine.stats
+    spent = stats.draft_seconds, stats.verify_seconds
+    start = time.perf_counter()
+    outs = llm.generate(batch, params)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outs)
+    if generated != settings.concurrency * settings.tokens:
+        raise RuntimeError(f"throughput: generated {generated} tokens")
+    return {
+        "tput_tps": generated / elapsed,
+        "seconds": elapsed,
+        "draft_tokens": sum(o.metrics.draft_tokens for o in outs),
+        "accepted_tokens": sum(o.metrics.accepted_tokens for o in outs),
+        "spec_steps": sum(o.metrics.spec_steps for o in outs),
+        "preemptions": sum(o.metrics.preemptions for o in outs),
+        # the engine's own clocks: drafting (lookups, draft-model forwards, verified or not)
+        # and verify forwards
+        "draft_seconds": stats.draft_seconds - spent[0],
+        "verify_seconds": stats.verify_seconds - spent[1],
+    }
 
 
 def resolved_config(llm) -> dict:
@@ -879,6 +919,9 @@ def summarize(variants: list[Variant], prompts: list[dict]) -> list[dict]:
                 t["ratio_rounds"] = [
                     _ratio(x["tput_tps"], y["tput_tps"]) for x, y in zip(tputs, base)
                 ]
+            if all("paired" in x for x in tputs):  # plain's 16-way run in the same process
+                t["paired_ratio_rounds"] = [x["paired"]["ratio"] for x in tputs]
+                t["paired_ratio"] = _median(t["paired_ratio_rounds"])
             row["throughput"] = t
         rows.append(row)
     return rows
@@ -909,8 +952,8 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
                 value = r.get("open", {}).get("speedup")
             elif tid == "open-floor":
                 value = r.get("open", {}).get("speedup")
-            elif tid == "tput16" and "throughput" in r:
-                value = r["throughput"].get("ratio")
+            elif tid == "tput16" and "throughput" in r:  # paired in one process since 2026-12
+                value = r["throughput"].get("paired_ratio", r["throughput"].get("ratio"))
             else:
                 continue
             cases.append(
@@ -963,7 +1006,7 @@ def print_table(rows: list[dict], targets: list[dict], settings: Settings) -> No
     head = f"{'engine':13}{'model':6}{'mode':15}"
     for kind in KINDS:
         head += f"{kind + ' t/s':>14}{'speedup':>9}{'accept':>9}{'tok/fwd':>9}"
-    head += f"{'16-way t/s':>12}{'ratio':>8}  same tokens as mlcrun plain"
+    head += f"{'16-way t/s':>12}{'ratio':>8}{'paired':>8}  same tokens as mlcrun plain"
     print(head)
     for r in rows:
         line = f"{r['engine']:13}{r['model']:6}{r['mode']:15}"
@@ -973,6 +1016,7 @@ def print_table(rows: list[dict], targets: list[dict], settings: Settings) -> No
             line += _cell(k.get("acceptance_rate")) + _cell(k.get("tokens_per_forward"))
         t = r.get("throughput", {})
         line += _cell(t.get("tput_tps"), "{:.1f}", 12) + _cell(t.get("ratio"), "{:.2f}", 8)
+        line += _cell(t.get("paired_ratio"), "{:.2f}", 8)
         match = r["tokens_match"].get("mlcrun plain")
         if match:
             line += f"  {match['identical_prompts']}/{match['prompts']}"
@@ -1066,7 +1110,8 @@ def main() -> None:
     for r, order in enumerate(orders):
         for key in order:
             v = by_key[key]
-            sample = run_worker(v.engine, v.spec(), prompts_file, args.threads, args.quick)
+            spec = v.spec() | {"plain_first": r % 2 == 1}  # the paired 16-way runs' order
+            sample = run_worker(v.engine, spec, prompts_file, args.threads, args.quick)
             v.samples.append(sample)
             log_result(f"round {r + 1}/{rounds}", v.key, sample)
     raw = {
