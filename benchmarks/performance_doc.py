@@ -1319,10 +1319,10 @@ def spec_section(spec: dict | None, path: Path | None = None) -> list[str]:
         "each, EOS ignored: generated tokens over wall time, prefill included; mlcrun's "
         "adaptive modes against its plain decoding."
         + (
-            " **Paired**: against plain decoding's run of the same requests in the same "
-            "process, right before or after the mode's own (alternating by round), the ratio "
-            "the target counts; *separate process*: against the plain process of the same "
-            "round, minutes away."
+            " **Paired**: against plain decoding's runs of the same requests in the same "
+            "process, two around the mode's own two (plain, mode, mode, plain or the reverse, "
+            "alternating by round), the ratio the target counts; *separate process*: against "
+            "the plain process of the same round, minutes away."
             if paired
             else ""
         ),

@@ -26,14 +26,14 @@ slower); medians over rounds. Per process: a short warm-up, then each prompt alo
 decode tokens/s (tokens after the first over the time after the first) and what the drafts did;
 for mlcrun's plain and adaptive modes also 16 concurrent requests (the prompts cycled, 256
 tokens each): generated tokens over wall time. A speculative mode's process also loads the
-target without speculation and runs the same 16 requests with it, right before or right after
-its own (alternating by round): the 16-way target counts that paired ratio, because two
-processes' 16-way rates differ by a few percent with nothing but their placement and time
-apart (the plain process's rate is still compared, as `ratio`). mlcrun's adaptive draft
-length measures step costs at its first start and caches them in $MLCRUN_HOME/spec-costs;
-$MLCRUN_HOME is benchmarks/.cache/speculative/mlcrun-home and one warm-up start per
-configuration precedes the rounds, so no measured process pays for it (and only generation
-is timed anyway).
+target without speculation and runs the same 16 requests with it, twice, around its own two
+runs (plain, mode, mode, plain or the reverse, alternating by round): the 16-way target counts
+that paired ratio, because two processes' 16-way rates differ by a few percent with nothing but
+their placement and time apart (the plain process's rate is still compared, as `ratio`).
+mlcrun's adaptive draft length measures step costs at its first start and caches them in
+$MLCRUN_HOME/spec-costs; $MLCRUN_HOME is benchmarks/.cache/speculative/mlcrun-home and one
+warm-up start per configuration precedes the rounds, so no measured process pays for it (and
+only generation is timed anyway).
 
 Modes: mlcrun plain, ngram (adaptive K; K=5), self (F32 only: adaptive; K=3), draft (F32 target,
 the q4 artifact as the draft model: the only smaller model with SmolLM2's tokenizer available
@@ -341,22 +341,30 @@ def worker_mlcrun(spec: dict, prompts: list[dict], threads: int, settings: Setti
         if not spec["options"].get("speculative_mode"):
             mine = throughput_run(llm, batch, params, settings)
         else:
-            # Plain decoding's 16-way run in this same process, right before or after this
-            # mode's (the order alternates by round): a separate plain process runs minutes
-            # away, in another placement, and that moves a 16-way rate by a few percent, more
-            # than speculation adds or costs at 16 requests.
+            # Plain decoding's 16-way runs in this same process, around this mode's: plain,
+            # mode, mode, plain or mode, plain, plain, mode (alternating by round), so that a
+            # drift of the machine's speed and whatever the run after a switch of engines pays
+            # fall on both alike. A separate plain process runs minutes away, in another
+            # placement, and that moves a 16-way rate by a few percent, more than speculation
+            # adds or costs at 16 requests.
             plain = LLM(spec["target"], num_threads=threads, engine_config=plain_config(config))
             plain.generate([prompts[0]["ids"]], warm)
-            if spec.get("plain_first"):
-                base = throughput_run(plain, batch, params, settings)
-                mine = throughput_run(llm, batch, params, settings)
-            else:
-                mine = throughput_run(llm, batch, params, settings)
-                base = throughput_run(plain, batch, params, settings)
+            order = [plain, llm] if spec.get("plain_first") else [llm, plain]
+            order += order[::-1]
+            runs = {id(plain): [], id(llm): []}
+            for engine in order:
+                runs[id(engine)].append(throughput_run(engine, batch, params, settings))
+            mine = runs[id(llm)][0]  # what speculation did: the first run's
+            mine_s = sum(r["seconds"] for r in runs[id(llm)])
+            base_s = sum(r["seconds"] for r in runs[id(plain)])
+            mine["seconds"] = mine_s / 2  # the rate: both runs'
+            mine["tput_tps"] = settings.concurrency * settings.tokens * 2 / mine_s
             mine["paired"] = {
-                "plain_tps": base["tput_tps"],
-                "ratio": mine["tput_tps"] / base["tput_tps"],
+                "plain_tps": settings.concurrency * settings.tokens * 2 / base_s,
+                "ratio": base_s / mine_s,
                 "plain_first": bool(spec.get("plain_first")),
+                "seconds": [r["seconds"] for r in runs[id(llm)]],
+                "plain_seconds": [r["seconds"] for r in runs[id(plain)]],
             }
         result["throughput"] = mine
     return result
