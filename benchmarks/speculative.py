@@ -359,9 +359,11 @@ def worker_mlcrun(spec: dict, prompts: list[dict], threads: int, settings: Setti
             base_s = sum(r["seconds"] for r in runs[id(plain)])
             mine["seconds"] = mine_s / 2  # the rate: both runs'
             mine["tput_tps"] = settings.concurrency * settings.tokens * 2 / mine_s
+            latency = [sum(r["mean_latency_s"] for r in runs[id(e)]) for e in (plain, llm)]
             mine["paired"] = {
                 "plain_tps": settings.concurrency * settings.tokens * 2 / base_s,
                 "ratio": base_s / mine_s,
+                "latency_ratio": latency[0] / latency[1],  # plain's over the mode's: > 1 better
                 "plain_first": bool(spec.get("plain_first")),
                 "seconds": [r["seconds"] for r in runs[id(llm)]],
                 "plain_seconds": [r["seconds"] for r in runs[id(plain)]],
@@ -393,6 +395,10 @@ def throughput_run(llm, batch: list[list[int]], params, settings: Settings) -> d
     return {
         "tput_tps": generated / elapsed,
         "seconds": elapsed,
+        # when each request had its last token, from the start (the same clock as
+        # metrics.token_times): the adaptive draft length maximizes tokens per second, i.e.
+        # minimizes the mean of these, while the rate above is set by the last of them
+        "mean_latency_s": statistics.mean(o.metrics.token_times[-1] - start for o in outs),
         "draft_tokens": sum(o.metrics.draft_tokens for o in outs),
         "accepted_tokens": sum(o.metrics.accepted_tokens for o in outs),
         "spec_steps": sum(o.metrics.spec_steps for o in outs),
@@ -930,6 +936,10 @@ def summarize(variants: list[Variant], prompts: list[dict]) -> list[dict]:
             if all("paired" in x for x in tputs):  # plain's 16-way run in the same process
                 t["paired_ratio_rounds"] = [x["paired"]["ratio"] for x in tputs]
                 t["paired_ratio"] = _median(t["paired_ratio_rounds"])
+                if all("latency_ratio" in x["paired"] for x in tputs):
+                    rounds = [x["paired"]["latency_ratio"] for x in tputs]
+                    t["latency_ratio_rounds"] = rounds
+                    t["latency_ratio"] = _median(rounds)
             row["throughput"] = t
         rows.append(row)
     return rows
