@@ -349,24 +349,24 @@ def worker_mlcrun(spec: dict, prompts: list[dict], threads: int, settings: Setti
             # adds or costs at 16 requests.
             plain = LLM(spec["target"], num_threads=threads, engine_config=plain_config(config))
             plain.generate([prompts[0]["ids"]], warm)
-            order = [plain, llm] if spec.get("plain_first") else [llm, plain]
-            order += order[::-1]
-            runs = {id(plain): [], id(llm): []}
-            for engine in order:
-                runs[id(engine)].append(throughput_run(engine, batch, params, settings))
-            mine = runs[id(llm)][0]  # what speculation did: the first run's
-            mine_s = sum(r["seconds"] for r in runs[id(llm)])
-            base_s = sum(r["seconds"] for r in runs[id(plain)])
-            mine["seconds"] = mine_s / 2  # the rate: both runs'
-            mine["tput_tps"] = settings.concurrency * settings.tokens * 2 / mine_s
-            latency = [sum(r["mean_latency_s"] for r in runs[id(e)]) for e in (plain, llm)]
+            engines = {"mode": llm, "plain": plain}
+            order = ["plain", "mode"] if spec.get("plain_first") else ["mode", "plain"]
+            runs = {"mode": [], "plain": []}
+            for name in order + order[::-1]:
+                runs[name].append(throughput_run(engines[name], batch, params, settings))
+            seconds = {name: sum(r["seconds"] for r in rs) for name, rs in runs.items()}
+            latency = {name: sum(r["mean_latency_s"] for r in rs) for name, rs in runs.items()}
+            # what speculation did: the first run's counts; the rate: both runs'
+            mine = runs["mode"][0] | {
+                "seconds": seconds["mode"] / 2,
+                "tput_tps": settings.concurrency * settings.tokens * 2 / seconds["mode"],
+            }
             mine["paired"] = {
-                "plain_tps": settings.concurrency * settings.tokens * 2 / base_s,
-                "ratio": base_s / mine_s,
-                "latency_ratio": latency[0] / latency[1],  # plain's over the mode's: > 1 better
+                "ratio": seconds["plain"] / seconds["mode"],
+                "latency_ratio": latency["plain"] / latency["mode"],  # above 1: the mode's lower
                 "plain_first": bool(spec.get("plain_first")),
-                "seconds": [r["seconds"] for r in runs[id(llm)]],
-                "plain_seconds": [r["seconds"] for r in runs[id(plain)]],
+                "seconds": [r["seconds"] for r in runs["mode"]],
+                "plain_seconds": [r["seconds"] for r in runs["plain"]],
             }
         result["throughput"] = mine
     return result
@@ -396,8 +396,8 @@ def throughput_run(llm, batch: list[list[int]], params, settings: Settings) -> d
         "tput_tps": generated / elapsed,
         "seconds": elapsed,
         # when each request had its last token, from the start (the same clock as
-        # metrics.token_times): the adaptive draft length maximizes tokens per second, i.e.
-        # minimizes the mean of these, while the rate above is set by the last of them
+        # metrics.token_times): a draft the adaptive length makes lowers the mean of these,
+        # step by step, while the rate above is set by the last of them
         "mean_latency_s": statistics.mean(o.metrics.token_times[-1] - start for o in outs),
         "draft_tokens": sum(o.metrics.draft_tokens for o in outs),
         "accepted_tokens": sum(o.metrics.accepted_tokens for o in outs),
