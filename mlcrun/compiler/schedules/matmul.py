@@ -22,13 +22,15 @@ the same kernel serves decode, verification and prefill, in three kinds of varia
   streamed as stored (float32; a 16-bit float W on AMD Zen) has each K step touch the same
   cache line of every W row of the next column tile (`ROWS_PREFETCH_TILES`): the tile's
   rows are NR streams a row apart that the hardware prefetchers do not follow far enough
-  ahead. At these M the step is still bound by reading W (a few FLOPs per weight byte), so
-  the rows' arithmetic hides behind the prefetched stream. SmolLM2's F32 layers and
-  lm_head, distinct weights per layer (538 MB), 2 threads, Intel Xeon (`schedule_micro.py`'s
-  shapes, M rows against M = 1): M = 2, 3, 4, 5 took 1.15x, 1.25x, 1.26x, 1.23x with the
-  first W row of the next tile prefetched and the batch variant from 3 rows, 1.02x, 1.04x,
-  1.06x, 1.16x with the whole tile prefetched and these variants (with a variant for each M
-  up to 7: within 0.03x of that, with 5 more kernels to compile per matmul).
+  ahead. (Where the GEMV reads one W row per tile, so do the variants of up to
+  `ROWS_SINGLE_ROW_MAX_MR` rows.) At these M the step is still bound by reading W (a few
+  FLOPs per weight byte), so the rows' arithmetic hides behind the prefetched stream.
+  SmolLM2's F32 layers and lm_head, distinct weights per layer (538 MB), 2 threads, Intel
+  Xeon (`schedule_micro.py`'s shapes, M rows against M = 1): M = 2, 3, 4, 5 took 1.15x,
+  1.25x, 1.26x, 1.23x with the first W row of the next tile prefetched and the batch variant
+  from 3 rows, 1.02x, 1.04x, 1.06x, 1.16x with the whole tile prefetched and these variants
+  (with a variant for each M up to 7: within 0.03x of that, with 5 more kernels to compile
+  per matmul).
 * Batch (a float W, `ROWS_VARIANTS[-1]` < M < `BATCH_MAX_ROWS`: a long verify, batched
   decode of up to 31 sequences): the small-M loop nest with several row tiles of `BATCH_MR`
   rows inside each column tile, so a W tile (NR rows, a few KiB) comes from memory once and
@@ -156,7 +158,13 @@ ROWS_PREFETCH_TILES = 1
 # ms) / a fast one (11.0 ms, 49 GB/s): M = 2 1.06x -> 0.98x / 1.28x -> 1.02x, M = 3 1.07x ->
 # 1.04x / 1.32x -> 1.30x, M = 4 1.05x -> 1.05x / 1.31x -> 1.29x. MR = 7 lost with one row
 # (M = 5: 1.13x -> 1.27x / 1.54x -> 1.96x), so it keeps its tile. In a model, a chain verify of
-# 2 tokens against a decode step: 1.34x -> 1.09x (fast phase).
+# 2 tokens against a decode step: 1.34x -> 1.09x (fast phase). A 16-bit W widened in the
+# loads takes the same tiles wherever its GEMV streams (`GemmTuning.stream_w16`, any AMD Zen):
+# with 3 or 2 W rows per tile prefetched a tile ahead, SmolLM2 BF16's verify steps of 2 and 4
+# tokens on 2 threads of a Zen 3 cost 1.42x and 1.81x a decode step, with one row 1.18x and
+# 1.50x (two models in one process, alternating, 6 rounds; the row's next line prefetched as
+# for a float32 W: no better). Hot in the caches the wider tiles are faster (a 3072 x 576
+# layer, M = 4: 132 against 169 us); the model's weights come from memory.
 ROWS_SINGLE_ROW_MAX_MR = 4
 # From K = GEMM_LONG_K the Zen 4 small-M variants of a float32 W take LONG_K_LANES lanes and
 # as many W rows per tile as ROWS_LONG_K_ACC_REGS accumulator registers allow (2 rows: 14,
@@ -687,11 +695,12 @@ def _small_m_config(
     """A small-M variant: one row tile of `mr` rows. A float32 W's next column tile (a 16-bit
     float W's on AMD Zen) is prefetched whole (all NR rows) during this one
     (ROWS_PREFETCH_TILES); the batch variant's row tiles share that prefetch out instead, one
-    W row each. Where the Zen 4 GEMV reads a float32 W as one stream, the variants of up to
+    W row each. Where the GEMV reads W as one stream (`GemmTuning.streams`: a float32 W on
+    Zen 3 and later, a 16-bit one on any AMD Zen), the variants of up to
     ROWS_SINGLE_ROW_MAX_MR rows take its one-row tile instead; from GEMM_LONG_K they take
     wide tiles of 8 lanes (ROWS_LONG_K_ACC_REGS)."""
     cfg = tile_config(info, vector_bits, "rows", mr, nb=nb)
-    if w_bits == 32 and tuning.stream_w:
+    if tuning.streams(w_bits):
         if info.k <= GEMV_SINGLE_ROW_MAX_K and mr <= ROWS_SINGLE_ROW_MAX_MR:
             return replace(cfg, nr=1)  # one stream per chunk, as the GEMV
         if info.k >= GEMM_LONG_K:  # wide tiles of 8 lanes (ROWS_LONG_K_ACC_REGS)
