@@ -96,7 +96,8 @@ def test_16_bit_weight_gemv_tunings_match_numpy(monkeypatch, preset: str, stream
     (matmul,) = [f for name, f in _kernels(preset, 36, 1040).items() if "add" in name]
     prefetches = matmul.script().count("llvm.prefetch")
     # Zen: 4 rows of the tile ahead in the long-K GEMV, the whole next tile in each small-M
-    # variant (NR = 4, 2, 2 at 16 lanes; 4, 4, 2 at 8); elsewhere no prefetch of a packed W
+    # variant (the wide 8-lane tiles: NR = 4, 4, 4 with AVX-512, 4, 2, 1 with AVX2's 16
+    # registers); elsewhere no prefetch of a packed W
     assert prefetches >= 4 + 2 + 2 + 2 if stream_w16 else prefetches == 0, prefetches
     # K = 160: Zen's GEMV and 2- and 4-row variants read one W row per tile, unprefetched,
     # and only the 7-row variant prefetches its next tile (NR rows); the 4-row tuning
