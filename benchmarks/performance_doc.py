@@ -1023,6 +1023,11 @@ def _x(value) -> str:
     return "—" if value is None else f"{value:.2f}x"
 
 
+def _x_rounds(value, rounds: list[float]) -> str:
+    """ "0.98x (0.97-1.00)": a median ratio and the range of its rounds."""
+    return f"{_x(value)} ({min(rounds):.2f}-{max(rounds):.2f})"
+
+
 def _cases(cases: list[dict]) -> str:
     return ", ".join(f"{MODEL_NAMES[c['model']]} {c['mode']} {_x(c['value'])}" for c in cases)
 
@@ -1353,17 +1358,15 @@ def spec_section(spec: dict | None, path: Path | None = None) -> list[str]:
         ratio = _x(t.get("ratio")) if r["mode"] != "plain" else "1.00x"
         if paired:
             rounds = t.get("paired_ratio_rounds")
-            ratio = (
-                f"{_x(t['paired_ratio'])} ({min(rounds):.2f}-{max(rounds):.2f}) | {ratio}"
-                if rounds
-                else f"— | {ratio}"
-            )
+            ratio = f"{_x_rounds(t['paired_ratio'], rounds) if rounds else '—'} | {ratio}"
         if latency:
             rounds = t.get("latency_ratio_rounds")
-            ratio += (
-                f" | {_x(t['latency_ratio'])} ({min(rounds):.2f}-{max(rounds):.2f})"
+            ratio += " | " + (
+                _x_rounds(t["latency_ratio"], rounds)
                 if rounds
-                else (" | 1.00x" if r["mode"] == "plain" else " | —")
+                else "1.00x"
+                if r["mode"] == "plain"
+                else "—"
             )
         out.append(
             f"| {MODEL_NAMES[r['model']]} | {r['mode']} | {t['tput_tps']:.1f} | {ratio} | "

@@ -93,8 +93,7 @@ def test_16_bit_weight_gemv_tunings_match_numpy(monkeypatch, preset: str, stream
     shapes no tile divides; K = 1040 takes the long-K path."""
     tuning = GemmTuning(stream_w16=stream_w16)
     monkeypatch.setattr(cpu_schedules, "gemm_tuning", lambda target: tuning)
-    (matmul,) = [f for name, f in _kernels(preset, 36, 1040).items() if "add" in name]
-    prefetches = matmul.script().count("llvm.prefetch")
+    prefetches = _prefetches(preset, 36, 1040)
     # Zen: 4 rows of the tile ahead in the long-K GEMV, the whole next tile in each small-M
     # variant (the wide 8-lane tiles: NR = 4, 4, 4 with AVX-512, 4, 2, 1 with AVX2's 16
     # registers); elsewhere no prefetch of a packed W
@@ -102,11 +101,16 @@ def test_16_bit_weight_gemv_tunings_match_numpy(monkeypatch, preset: str, stream
     # K = 160: Zen's GEMV and 2- and 4-row variants read one W row per tile, unprefetched,
     # and only the 7-row variant prefetches its next tile (NR rows); the 4-row tuning
     # prefetches nothing.
-    (matmul,) = [f for name, f in _kernels(preset, 36, 160).items() if "add" in name]
-    prefetches = matmul.script().count("llvm.prefetch")
+    prefetches = _prefetches(preset, 36, 160)
     assert 1 <= prefetches <= 4 if stream_w16 else prefetches == 0, prefetches
     for n, k in [(30, 160), (36, 1040)]:
         _check_block(preset, n, k, (1, 2, 4, 5, 9))
+
+
+def _prefetches(preset: str, n: int, k: int) -> int:
+    """The prefetches in the scheduled Linear (+ bias + residual) of an n x k block."""
+    (matmul,) = [f for name, f in _kernels(preset, n, k).items() if "add" in name]
+    return matmul.script().count("llvm.prefetch")
 
 
 def _kernels(preset: str, n: int = 64, k: int = 128) -> dict[str, tirx.PrimFunc]:
